@@ -1,0 +1,71 @@
+"""Configuration dataclasses. Validated once at the edge, trusted inside."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_model_len: int = 2048
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: `num_blocks` blocks of `block_size` token slots each."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_bytes
+    kv_cache_bytes: int = 2 << 30
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits per step."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs. `model=None` means the bundled default."""
+
+    model: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")

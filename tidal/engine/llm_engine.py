@@ -1,0 +1,182 @@
+"""The engine: requests in, one step at a time, outputs out; and the offline LLM facade."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from tidal.config import EngineConfig
+from tidal.engine.block_manager import BlockManager
+from tidal.engine.model_runner import ModelRunner
+from tidal.engine.scheduler import Scheduler
+from tidal.models import loader
+from tidal.models.llama import LlamaModel
+from tidal.sampling_params import InvalidParameter, SamplingParams
+from tidal.sequence import Sequence
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestOutput:
+    """What a request has produced so far; `finished` once, with a `finish_reason`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class LLMEngine:
+    """Continuous-batching engine over the paged KV cache."""
+
+    def __init__(self, config: EngineConfig = EngineConfig()):
+        self.config = config
+        self.device = resolve_device(config.device)
+        default = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = default if config.dtype == "auto" else _DTYPES[config.dtype]
+        loaded = loader.load(config.model)
+        self.model_name = loaded.name
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        model = LlamaModel(loaded.config)
+        model.load_state_dict(loaded.weights, strict=True)
+        model.to(device=self.device, dtype=self.dtype)
+        self.runner = ModelRunner(model, config.cache, self.device, self.dtype, config.seed)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self._requests: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> Sequence:
+        """Queue a request; raises InvalidParameter for input that could never be served."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_fits(ids, params)
+        seq = Sequence(request_id, ids, params, arrival=next(self._arrivals))
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidParameter("prompt", "must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidParameter("prompt", f"token ids must be integers in [0, {vocab})")
+        limit = self.model_config.max_model_len
+        if len(ids) + params.max_tokens > limit:
+            raise InvalidParameter(
+                "max_tokens", f"too large: this model's maximum context length is {limit} tokens, "
+                f"and you requested {len(ids)} prompt + {params.max_tokens} completion tokens")
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if len(ids) + params.max_tokens > capacity:
+            raise InvalidParameter(
+                "max_tokens", f"too large: the KV cache holds {capacity} tokens, and the request "
+                f"needs {len(ids) + params.max_tokens}")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks. False if it is unknown or already finished."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------ step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample, and report every request that got a token."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        tokens = iter(self.runner.execute(out.scheduled))
+        outputs = []
+        for s in out.scheduled:
+            seq = s.seq
+            samples = s.samples
+            seq.num_computed_tokens += s.num_new_tokens
+            if samples:
+                self._append(seq, next(tokens))
+                outputs.append(self._output(seq))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.output_token_ids.append(token)
+        p = seq.params
+        prev_len = len(seq.output_text)
+        seq.output_text = self.tokenizer.decode(seq.output_token_ids)
+        reason = None
+        if (not p.ignore_eos and token in self.model_config.eos_token_ids) or token in p.stop_token_ids:
+            reason = "stop"
+        for stop in p.stop:
+            at = seq.output_text.find(stop, max(0, prev_len - len(stop) + 1))
+            if at >= 0:
+                seq.output_text, reason = seq.output_text[:at], "stop"
+                break
+        if reason is None and len(seq.output_token_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self._requests[seq.request_id]
+
+    @staticmethod
+    def _output(seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
+                             seq.output_text, seq.is_finished, seq.finish_reason)
+
+
+class LLM:
+    """Offline batch generation: `LLM().generate(prompts, params)`."""
+
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """`prompts`: a string, a list of strings, or a list of token-id lists. Outputs keep order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt")
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, params_list):
+                self.engine.add_request(rid, prompt, p)
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for o in self.engine.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[rid] for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], params=None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.tokenizer.apply_chat_template(c) for c in convs], params)

@@ -1,0 +1,116 @@
+"""Builds one step's tensors (tokens, positions, slot mapping, attention groups), runs the
+model over the paged KV cache, and samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tidal.config import CacheConfig, ModelConfig
+from tidal.engine.scheduler import ScheduledSeq
+from tidal.layers.attention import AttentionGroup, AttentionMetadata
+from tidal.layers.sampler import sample
+from tidal.models.llama import LlamaModel
+from tidal.sequence import Sequence
+
+# Sequences feeding at most this many tokens share one padded attention call (decode, verify);
+# longer prefill chunks get a call each so padding never multiplies a long chunk.
+SHORT_QUERY_LEN = 16
+
+
+def kv_cache_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    """Owns the model, its KV cache and the per-request sampling generators."""
+
+    def __init__(self, model: LlamaModel, cache: CacheConfig, device: torch.device,
+                 dtype: torch.dtype, seed: int = 0):
+        self.model, self.cfg, self.device, self.dtype = model, model.cfg, device, dtype
+        self.block_size = cache.block_size
+        self.num_blocks = cache.num_blocks or max(
+            1, cache.kv_cache_bytes // kv_cache_block_bytes(self.cfg, cache.block_size, dtype))
+        slots = self.num_blocks * self.block_size
+        shape = (slots, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(self.cfg.num_layers)]
+        self._rng = np.random.default_rng(seed)
+
+    # ------------------------------------------------------------ step inputs
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        pos = np.arange(start, end)
+        table = np.asarray(seq.block_table, dtype=np.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _group(self, items: list[tuple[int, ScheduledSeq]]) -> AttentionGroup:
+        """items: (flat start offset, scheduled seq). Pads queries to Q and keys to K."""
+        q_lens = np.array([s.num_new_tokens for _, s in items])
+        computed = np.array([s.seq.num_computed_tokens for _, s in items])
+        starts = np.array([off for off, _ in items])
+        ctx = computed + q_lens
+        Q, K = int(q_lens.max()), int(ctx.max())
+        j = np.arange(Q)
+        valid = j[None] < q_lens[:, None]
+        token_index = np.where(valid, starts[:, None] + j[None], 0)
+        q_pos = np.where(valid, computed[:, None] + j[None], 0)
+        p = np.arange(K)
+        mask = (p[None, None] <= q_pos[:, :, None]) & (p[None, None] < ctx[:, None, None])
+        kv_slots = np.zeros((len(items), K), dtype=np.int64)
+        for b, (_, s) in enumerate(items):
+            kv_slots[b, : ctx[b]] = self._slots(s.seq, 0, int(ctx[b]))
+        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        return AttentionGroup(token_index=t(token_index), kv_slots=t(kv_slots), mask=t(mask[:, None]),
+                              out_index=t(token_index[valid]), valid=t(valid.reshape(-1)))
+
+    def prepare(self, scheduled: list[ScheduledSeq]):
+        ids, positions, slots, short, groups = [], [], [], [], []
+        offset = 0
+        for s in scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            positions.append(np.arange(start, start + n))
+            slots.append(self._slots(seq, start, start + n))
+            if n <= SHORT_QUERY_LEN:
+                short.append((offset, s))
+            else:
+                groups.append(self._group([(offset, s)]))
+            offset += n
+        if short:
+            groups.insert(0, self._group(short))
+        t = lambda a: torch.from_numpy(np.concatenate(a)).to(self.device)  # noqa: E731
+        meta = AttentionMetadata(slot_mapping=t(slots), groups=groups)
+        return torch.tensor(ids, device=self.device), t(positions), meta
+
+    # ------------------------------------------------------------ run
+
+    def execute(self, scheduled: list[ScheduledSeq]) -> list[int]:
+        """Run one step; returns the sampled token of each scheduled seq that samples, in order."""
+        input_ids, positions, meta = self.prepare(scheduled)
+        hidden, _ = self.model(input_ids, positions, self.kv_caches, meta)
+        ends = np.cumsum([s.num_new_tokens for s in scheduled]) - 1
+        sampling = [s.seq for s in scheduled if s.samples]
+        if not sampling:
+            return []
+        idx = torch.tensor([e for e, s in zip(ends, scheduled) if s.samples], device=self.device)
+        logits = self.model.compute_logits(hidden[idx])
+        return self.sample(logits, sampling)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        params = [s.params for s in seqs]
+        f32 = dict(dtype=torch.float32, device=self.device)
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], **f32)
+        top_k = torch.tensor([p.top_k for p in params], device=self.device)
+        top_p = torch.tensor([p.top_p for p in params], **f32)
+        return sample(logits, temperature, top_k, top_p, [self.generator(s) for s in seqs]).tolist()
+
+    def generator(self, seq: Sequence) -> torch.Generator | None:
+        """The request's own generator (None when greedy), seeded once on first use."""
+        if seq.params.greedy:
+            return None
+        if seq.generator is None:
+            seed = seq.params.seed if seq.params.seed is not None else int(self._rng.integers(2**63))
+            seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+        return seq.generator

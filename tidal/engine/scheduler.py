@@ -1,0 +1,115 @@
+"""Continuous batching: which sequences run this step, and how many tokens each feeds.
+
+Knows nothing of torch. Running sequences are served first (oldest first); waiting ones are
+admitted while the token budget, the sequence cap and the KV pool allow. Long prompts are
+chunked to the token budget. When blocks run out, the newest running sequence is preempted by
+recompute: its blocks are freed and it goes back to the waiting queue with its output kept.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from tidal.config import SchedulerConfig
+from tidal.engine.block_manager import BlockManager
+from tidal.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step feeds the sequence's last token, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def _by_arrival(seq: Sequence) -> int:
+    return seq.arrival
+
+
+class Scheduler:
+    """Waiting and running queues over one BlockManager."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # sorted by arrival
+        self.running: list[Sequence] = []  # sorted by arrival
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_by_arrival)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + n, out):
+                break  # seq itself was preempted; everything after it already was
+            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running sequences until `seq` fits; False if seq went itself."""
+        while not self.block_manager.can_allocate(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_by_arrival)
+            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.add(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark `seq` finished and release its blocks, wherever it is queued."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,78 @@
+"""The target model: a Llama decoder over the paged KV cache.
+
+One forward for every kind of token of a step (prefill chunks, decode tokens, draft tokens to
+verify): a flat batch of T tokens with their positions and attention metadata.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.config import ModelConfig
+from tidal.layers.attention import AttentionMetadata, paged_attention
+from tidal.layers.norm import rms_norm
+from tidal.layers.rotary import apply_rope, rope_cache
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.qkv_proj = nn.Parameter(torch.empty(q + 2 * kv, cfg.hidden_size))
+        self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, q))
+        self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * cfg.intermediate_size, cfg.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size))
+
+    def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        cfg = self.cfg
+        x = rms_norm(h, self.input_norm, cfg.rms_norm_eps)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = F.linear(x, self.qkv_proj).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
+        h = h + F.linear(attn, self.o_proj)
+        x = rms_norm(h, self.post_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaModel(nn.Module):
+    """Llama-family decoder. Parameter names are ours; loader.py maps GGUF and HF names."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        cos, sin = rope_cache(cfg.head_dim, cfg.max_model_len, cfg.rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
+                meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()):
+        """Returns the final-normed hidden states [T, H] and the residual stream after each
+        layer in `aux_layers` (the low/mid/high features EAGLE-3 drafts from)."""
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.cos[positions], self.sin[positions]
+        aux = []
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            h = layer(h, cos, sin, k_cache, v_cache, meta)
+            if i in aux_layers:
+                aux.append(h)
+        return rms_norm(h, self.norm, self.cfg.rms_norm_eps), aux
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed if self.cfg.tie_word_embeddings else self.lm_head
+        return F.linear(hidden, head).float()

