@@ -1,0 +1,63 @@
+"""Shared fixtures: the bundled model (ours and transformers'), and tiny random HF models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tidal.models.loader import default_model_path
+
+
+@pytest.fixture(scope="session")
+def llm():
+    from tidal import LLM
+
+    return LLM()
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' own loading of the same GGUF file: the correctness oracle."""
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer():
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def make_tiny_llama(path, *, tie=False, seed=0, layers=2, vocab=258):
+    """A random Llama in HF layout (config.json, model.safetensors, tokenizer.json)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import pre_tokenizers
+
+    from tidal.tokenizer import Tokenizer
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_theta=10000.0, tie_word_embeddings=tie, bos_token_id=256, eos_token_id=257)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(str(path))
+    tokens = ["<s>", "</s>"]
+    byte_tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer.from_bpe(byte_tokens + tokens, [], [256, 257], None, 256, 257)
+    tok._tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_llama(path)
+    return path

@@ -1,0 +1,89 @@
+"""Our forward and greedy generation against transformers on the bundled SmolLM2 model."""
+
+import pytest
+import torch
+
+from tidal import SamplingParams
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 100.",
+    "Translate 'good morning' into Spanish and German.",
+]
+
+
+def chat_ids(llm, text):
+    return llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def our_logits(llm, ids):
+    """Prefill `ids` through the engine's runner and return logits at every position."""
+    eng = llm.engine
+    seq = eng.add_request("logits-probe", ids, SamplingParams(max_tokens=1))
+    out = eng.scheduler.schedule()
+    assert [s.seq for s in out.scheduled] == [seq] and out.scheduled[0].num_new_tokens == len(ids)
+    input_ids, positions, meta = eng.runner.prepare(out.scheduled)
+    hidden, _ = eng.runner.model(input_ids, positions, eng.runner.kv_caches, meta)
+    logits = eng.runner.model.compute_logits(hidden)
+    eng.abort("logits-probe")
+    return logits
+
+
+def test_tokenizer_and_template_match_transformers(llm, hf_tokenizer):
+    texts = PROMPTS + ["  leading spaces, digits 12345 and émojis 🌊\n\nnew\tlines", "<|im_start|>user"]
+    for t in texts:
+        assert llm.tokenizer.encode(t) == hf_tokenizer(t, add_special_tokens=False).input_ids
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    ours = llm.tokenizer.apply_chat_template(msgs)
+    assert ours == hf_tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    ids = chat_ids(llm, PROMPTS[0])
+    assert llm.tokenizer.decode(ids, skip_special_tokens=False) == ours
+
+
+def test_logits_match_transformers(llm, hf_model):
+    for text in PROMPTS:
+        ids = chat_ids(llm, text)
+        ours = our_logits(llm, ids)
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([ids])).logits[0].float()
+        assert ours.shape == ref.shape
+        assert (ours - ref).abs().max().item() < 1e-3
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(llm, hf_model):
+    outs = []
+    for text in PROMPTS:
+        ids = chat_ids(llm, text)
+        x = torch.tensor([ids])
+        with torch.no_grad():  # explicit mask: the prompt contains <|im_end|>, HF's pad id
+            gen = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(gen[0, len(ids):].tolist())
+        assert len(outs[-1]) == 64
+    return outs
+
+
+GREEDY64 = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+
+
+def test_greedy_matches_transformers_generate(llm, hf_greedy):
+    outs = llm.generate([chat_ids(llm, t) for t in PROMPTS], GREEDY64)
+    for out, ref in zip(outs, hf_greedy):
+        assert out.token_ids == ref
+        assert out.finish_reason == "length"
+
+
+def test_greedy_same_alone_and_in_mixed_batch_of_16(llm, hf_greedy):
+    others = [f"Tell me fact number {i} about {topic}." * (1 + i % 4)
+              for i, topic in enumerate(["whales", "Rome", "volcanoes", "chess", "tea", "Mars",
+                                         "bees", "jazz", "glass", "rivers", "owls"])]
+    prompts = [chat_ids(llm, t) for t in PROMPTS] + [chat_ids(llm, t) for t in others]
+    assert len(prompts) == 16 and len({len(p) for p in prompts}) > 8
+    batch = llm.generate(prompts, GREEDY64)
+    for out, ref in zip(batch, hf_greedy):  # the 5 oracle prompts, generated inside the batch
+        assert out.token_ids == ref
+    for i in (5, 15):  # and two of the others, alone
+        assert llm.generate([prompts[i]], GREEDY64)[0].token_ids == batch[i].token_ids
