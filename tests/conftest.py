@@ -14,7 +14,7 @@ from tidal.models.loader import default_model_path
 def llm():
     from tidal import LLM
 
-    return LLM()
+    return LLM(dtype="float32")  # the oracle comparisons are made in fp32
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,7 @@ class EngineConfig:
     """Everything the engine needs. `model=None` means the bundled default."""
 
     model: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 where native (CUDA, AVX512-BF16 CPUs), else float32
     device: str = "auto"
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)

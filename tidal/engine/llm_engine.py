@@ -32,6 +32,13 @@ class RequestOutput:
     finish_reason: str | None
 
 
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 where the hardware computes it natively (CUDA, CPUs with AVX512-BF16/AMX)."""
+    if device.type == "cuda" or (device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return torch.bfloat16
+    return torch.float32
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -44,8 +51,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = config
         self.device = resolve_device(config.device)
-        default = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.dtype = default if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.dtype = default_dtype(self.device) if config.dtype == "auto" else _DTYPES[config.dtype]
         loaded = loader.load(config.model)
         self.model_name = loaded.name
         self.model_config = loaded.config
@@ -53,6 +59,8 @@ class LLMEngine:
         model = LlamaModel(loaded.config)
         model.load_state_dict(loaded.weights, strict=True)
         model.to(device=self.device, dtype=self.dtype)
+        if loaded.int4_codes and self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            model.attach_int4(loaded.int4_codes, self.dtype)  # torch's fast int4 kernel is bf16 on CPU
         self.runner = ModelRunner(model, config.cache, self.device, self.dtype, config.seed)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)

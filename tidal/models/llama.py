@@ -12,6 +12,7 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.layers.attention import AttentionMetadata, paged_attention
+from tidal.layers.linear import Int4Weight, linear
 from tidal.layers.norm import rms_norm
 from tidal.layers.rotary import apply_rope, rope_cache
 
@@ -27,20 +28,21 @@ class DecoderLayer(nn.Module):
         self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.gate_up_proj = nn.Parameter(torch.empty(2 * cfg.intermediate_size, cfg.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size))
+        self.int4: dict[str, Int4Weight] = {}  # optional packed 4-bit copies, by parameter name
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         cfg = self.cfg
         x = rms_norm(h, self.input_norm, cfg.rms_norm_eps)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = F.linear(x, self.qkv_proj).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = linear(x, self.qkv_proj, self.int4.get("qkv_proj")).split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
-        h = h + F.linear(attn, self.o_proj)
+        h = h + linear(attn, self.o_proj, self.int4.get("o_proj"))
         x = rms_norm(h, self.post_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = linear(x, self.gate_up_proj, self.int4.get("gate_up_proj")).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, self.down_proj, self.int4.get("down_proj"))
 
 
 class LlamaModel(nn.Module):
@@ -57,6 +59,12 @@ class LlamaModel(nn.Module):
         cos, sin = rope_cache(cfg.head_dim, cfg.max_model_len, cfg.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    def attach_int4(self, codes: dict[str, tuple], dtype: torch.dtype) -> None:
+        """Add packed 4-bit copies of the layer weights named `layers.{i}.{param}` in `codes`."""
+        for name, (q, scale, minimum) in codes.items():
+            _, i, param = name.split(".")
+            self.layers[int(i)].int4[param] = Int4Weight.from_codes(q, scale, minimum, dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],

@@ -7,7 +7,7 @@ The bundled default is SmolLM2-135M-Instruct, the GGUF file inside the `llm-smol
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -27,6 +27,8 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     name: str
+    # 4-bit codes of fused layer weights, when the file stores them so: name -> (codes, scale, min)
+    int4_codes: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -110,7 +112,40 @@ def _load_gguf(path: Path) -> LoadedModel:
                     t(get(b + "attn_output.weight")), t(get(b + "ffn_gate.weight")),
                     t(get(b + "ffn_up.weight")), t(get(b + "ffn_down.weight")),
                     t(get(b + "attn_norm.weight")), t(get(b + "ffn_norm.weight")))
-    return LoadedModel(cfg, w, _gguf_tokenizer(reader, meta, tok_field), meta.get("general.name", path.stem))
+    codes = {}
+    for i in range(cfg.num_layers):
+        b, p = f"blk.{i}.", f"layers.{i}."
+        q4 = lambda name, heads=None: _q4_codes(tensors[b + name], heads)  # noqa: E731
+        fused = {"qkv_proj": [q4("attn_q.weight", n_head), q4("attn_k.weight", n_kv), q4("attn_v.weight")],
+                 "o_proj": [q4("attn_output.weight")], "gate_up_proj": [q4("ffn_gate.weight"), q4("ffn_up.weight")],
+                 "down_proj": [q4("ffn_down.weight")]}
+        for param, parts in fused.items():
+            if all(x is not None for x in parts):
+                codes[p + param] = tuple(torch.from_numpy(np.concatenate(c)) for c in zip(*parts))
+    return LoadedModel(cfg, w, _gguf_tokenizer(reader, meta, tok_field), meta.get("general.name", path.stem),
+                       codes)
+
+
+def _q4_codes(t, n_head: int | None = None):
+    """(codes [N, K] uint8, scale [N, K/32], min [N, K/32]) of a Q4_0/Q4_1 tensor, else None.
+
+    ggml blocks of 32 weights: fp16 scale d, (Q4_1 only) fp16 min m, then 16 bytes whose low
+    nibbles are weights 0..15 and high nibbles 16..31; weight = d * q + m (Q4_0: m = -8 d).
+    """
+    from gguf import GGMLQuantizationType as Q
+
+    if t.tensor_type not in (Q.Q4_0, Q.Q4_1):
+        return None
+    k, n = int(t.shape[0]), int(t.shape[1])
+    has_min = t.tensor_type == Q.Q4_1
+    blocks = np.asarray(t.data).reshape(n, k // 32, 20 if has_min else 18)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else -8 * scale
+    qs = blocks[..., 4:] if has_min else blocks[..., 2:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+    if n_head is not None:
+        codes, scale, minimum = (_unpermute(a, n_head) for a in (codes, scale, minimum))
+    return codes, scale, minimum
 
 
 def _gguf_tokenizer(reader, meta: dict, tokens: list[str]) -> Tokenizer:

@@ -1,0 +1,167 @@
+"""tidal vs transformers.generate on the same model and prompts, and tidal's decode step time
+next to a roofline estimate.
+
+    python benchmarks/throughput.py [--dtypes float32,bfloat16] [--output-tokens 64]
+
+Prints, per dtype: output tok/s at 1 request (requests one after another) and at N concurrent
+requests (transformers with static batching: one left-padded batch), with the ratio; then
+tidal's median decode step time at batch 1, 8, 32, 128 beside max(bytes / bandwidth,
+FLOPs / matmul rate) measured on this machine in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+from tidal import LLM, SamplingParams
+from tidal.bench.datasets import chat_prompts
+from tidal.models.loader import default_model_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def chat_ids(tok, text):
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def load_hf(dtype):
+    import transformers
+
+    path = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=dtype).eval()
+
+
+def hf_generate(model, prompts, n_out):
+    """Static batching: one left-padded batch, all rows generate n_out tokens."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n_out, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    el = time.perf_counter() - t
+    assert out.shape[1] - width == n_out
+    return len(prompts) * n_out / el
+
+
+def tidal_generate(llm, prompts, n_out):
+    params = SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    el = time.perf_counter() - t
+    assert all(len(o.token_ids) == n_out for o in outs)
+    return len(prompts) * n_out / el
+
+
+def sequential(fn, prompts, n_out):
+    rates = [fn([p], n_out) for p in prompts]
+    return len(rates) / sum(1 / r for r in rates)  # total tokens / total time
+
+
+def decode_step_ms(llm, batch, ctx=64, steps=24):
+    eng = llm.engine
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"step-{batch}-{i}", [(7 * i + j) % 30000 + 100 for j in range(ctx)], params)
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in eng.scheduler.running + eng.scheduler.waiting):
+        eng.step()
+    times = []
+    while eng.has_unfinished():
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:]) * 1e3
+
+
+def machine_rates(dtype):
+    """Memory bandwidth (copy of a 512 MiB tensor, read + write) and dense matmul FLOP/s."""
+    a = torch.ones(128 << 20, dtype=torch.float32)
+    b = torch.empty_like(a)
+    bw = max(2 * a.numel() * 4 / _timed(lambda: b.copy_(a)) for _ in range(5))
+    x = torch.randn(2048, 2048, dtype=dtype)
+    flops = max(2 * 2048 ** 3 / _timed(lambda: x @ x) for _ in range(5))
+    return bw, flops
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def roofline_ms(cfg, dtype, batch, ctx, bw, flops):
+    e = dtype.itemsize
+    per_layer = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                 + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
+    linear_params = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size  # + lm head
+    kv_bytes = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * e
+    t_mem = (linear_params * e + kv_bytes) / bw
+    t_compute = 2 * linear_params * batch / flops
+    return max(t_mem, t_compute) * 1e3, "memory" if t_mem >= t_compute else "compute"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--single-requests", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--step-batches", default="1,8,32,128")
+    args = ap.parse_args()
+    texts = chat_prompts()
+    n = args.output_tokens
+    print(f"# tidal throughput vs transformers {_hf_version()}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    rows, steps = [], []
+    for name in args.dtypes.split(","):
+        dtype = DTYPES[name]
+        llm = LLM(dtype=name)
+        prompts = [chat_ids(llm.tokenizer, t) for t in texts]
+        single = prompts[: args.single_requests]
+        many = (prompts * (1 + args.concurrency // len(prompts)))[: args.concurrency]
+        tidal_generate(llm, single[:1], 8)  # warm-up
+        hf = load_hf(dtype)
+        hf_generate(hf, single[:1], 8)
+        for conc, ps in ((1, single), (args.concurrency, many)):
+            if conc == 1:
+                ours, theirs = sequential(lambda p, k: tidal_generate(llm, p, k), ps, n), \
+                    sequential(lambda p, k: hf_generate(hf, p, k), ps, n)
+            else:
+                ours, theirs = tidal_generate(llm, ps, n), hf_generate(hf, ps, n)
+            rows.append((name, conc, ours, theirs))
+            print(f"  {name} c={conc}: tidal {ours:.1f} tok/s, transformers {theirs:.1f} tok/s", flush=True)
+        del hf
+        bw, flops = machine_rates(dtype)
+        for b in map(int, args.step_batches.split(",")):
+            ms = decode_step_ms(llm, b)
+            roof, bound = roofline_ms(llm.engine.model_config, dtype, b, 64 + 12, bw, flops)
+            steps.append((name, b, ms, roof, bound, bw, flops))
+        del llm
+    print("\n| dtype | concurrency | tidal tok/s | transformers tok/s | tidal / transformers |")
+    print("|---|---|---|---|---|")
+    for name, conc, ours, theirs in rows:
+        print(f"| {name} | {conc} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |")
+    print("\n| dtype | batch | tidal decode step ms (median) | roofline ms | bound | roofline / measured |")
+    print("|---|---|---|---|---|---|")
+    for name, b, ms, roof, bound, bw, flops in steps:
+        print(f"| {name} | {b} | {ms:.1f} | {roof:.1f} | {bound} | {roof / ms:.0%} |")
+    for name in dict.fromkeys(s[0] for s in steps):
+        bw, flops = next((s[5], s[6]) for s in steps if s[0] == name)
+        print(f"measured {name}: copy bandwidth {bw / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s")
+
+
+def _hf_version():
+    import transformers
+
+    return transformers.__version__
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""The README's run command, end to end, and its error path."""
+
+import subprocess
+import sys
+
+from tidal.cli import main
+
+
+def test_generate_answers_on_the_bundled_model():
+    out = subprocess.run([sys.executable, "-m", "tidal.cli", "generate", "What is the capital of France?",
+                          "--max-tokens", "16"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_bad_parameter_is_a_clear_error(capsys):
+    assert main(["generate", "hi", "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err

@@ -1,0 +1,55 @@
+"""The packed 4-bit path: Q4_1 codes, torch's CPU int4 kernel, and the bf16 default model."""
+
+import pytest
+import torch
+
+from tidal.layers.linear import Int4Weight, linear
+from tidal.models import loader
+
+
+def test_int4_kernel_matches_dense_weights():
+    g = torch.Generator().manual_seed(0)
+    n, k = 96, 128
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02
+    minimum = -torch.rand(n, k // 32, generator=g) * 0.1
+    dense = (codes.float().view(n, -1, 32) * scale[..., None] + minimum[..., None]).view(n, k)
+    x = torch.randn(5, k, generator=g)
+    w = Int4Weight.from_codes(codes, scale, minimum, torch.float32)
+    torch.testing.assert_close(linear(x, dense, w), x @ dense.t(), atol=1e-4, rtol=1e-4)
+    wb = Int4Weight.from_codes(codes, scale, minimum, torch.bfloat16)
+    torch.testing.assert_close(wb(x.bfloat16()).float(), x @ dense.t(), atol=0.05, rtol=0.05)
+    big = torch.randn(40, k, generator=g)  # above INT4_MAX_TOKENS: the dense weight is used
+    torch.testing.assert_close(linear(big, dense, w), big @ dense.t())
+
+
+def test_q4_codes_reproduce_gguf_dequantization():
+    m = loader.load(None)
+    assert len(m.int4_codes) == 4 * m.config.num_layers
+    for name in ("layers.0.qkv_proj", "layers.17.gate_up_proj", "layers.29.down_proj"):
+        codes, scale, minimum = m.int4_codes[name]
+        n, k = codes.shape
+        deq = (codes.float().view(n, -1, 32) * scale[..., None] + minimum[..., None]).view(n, k)
+        assert torch.equal(deq, m.weights[name])
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="needs a bf16 CPU")
+def test_bf16_int4_default_agrees_with_transformers_fp32(hf_model):
+    """Decode steps (few tokens) run the int4 kernel; the fp32 oracle scores what they chose."""
+    from tidal import LLM, SamplingParams
+    from tests.test_llama_vs_hf import PROMPTS, chat_ids
+
+    llm = LLM()  # the default: bf16 with packed 4-bit weights on this CPU
+    assert llm.engine.dtype == torch.bfloat16 and llm.engine.runner.model.layers[0].int4
+    prompts = [chat_ids(llm, t) for t in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    top1 = total = 0
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([ids + out.token_ids])).logits[0, len(ids) - 1:-1].float()
+        chosen = torch.tensor(out.token_ids)
+        gap = ref.max(-1).values - ref.gather(-1, chosen[:, None])[:, 0]
+        assert gap.max().item() < 1.0  # never a token the oracle ranks far below its best
+        top1 += (gap == 0).sum().item()
+        total += len(chosen)
+    assert top1 / total >= 0.9

@@ -1,0 +1,11 @@
+"""Prompt sets shipped with tidal for benchmarks and drafter training."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+
+def chat_prompts() -> list[str]:
+    """Short, varied single-turn user prompts (tidal/data/chat_prompts.json)."""
+    return json.loads((resources.files("tidal.data") / "chat_prompts.json").read_text())

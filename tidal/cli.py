@@ -1,0 +1,53 @@
+"""Command line: `tidal generate`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a .gguf file or a HF Llama directory (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+
+
+def _generate(args) -> int:
+    from tidal import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    if args.no_chat:
+        out = llm.generate(args.prompt, params)[0]
+    else:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    print(out.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tidal", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="answer one prompt with the chat template applied")
+    g.add_argument("prompt")
+    _engine_args(g)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--no-chat", action="store_true", help="send the prompt as raw text")
+    g.set_defaults(func=_generate)
+    args = parser.parse_args(argv)
+    from tidal.sampling_params import InvalidParameter
+
+    try:
+        return args.func(args)
+    except (InvalidParameter, FileNotFoundError) as e:
+        print(f"tidal: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

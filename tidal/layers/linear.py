@@ -1,0 +1,41 @@
+"""Linear layers: dense, or 4-bit weights packed for torch's CPU int4 kernel.
+
+GGUF Q4_0/Q4_1 weights are groups of 32 4-bit codes with a scale (and a minimum); torch's
+`_weight_int4pack_mm_for_cpu` computes (q - 8) * scale + zero per group, which represents both
+exactly. Reading 4-bit weights is what makes small batches fast on a CPU; at larger token counts
+the dense bf16 matmul wins (measured on this project's 2-core AVX512-BF16 machine: int4 faster
+up to about 32-48 tokens per step, dense faster from 64 on), so both are kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+INT4_MAX_TOKENS = 32
+GROUP_SIZE = 32
+
+
+@dataclass
+class Int4Weight:
+    packed: torch.Tensor  # uint8 [N, K / 2], torch's CPU int4 layout
+    scales_zeros: torch.Tensor  # [K / group, N, 2] in the activation dtype
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                   dtype: torch.dtype) -> "Int4Weight":
+        """codes [N, K] in 0..15, scale and minimum [N, K / 32]: weight = code * scale + minimum."""
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        zeros = minimum + 8 * scale  # the kernel subtracts 8 from every code
+        return cls(packed, torch.stack([scale, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, int4: Int4Weight | None = None) -> torch.Tensor:
+    if int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:
+        return int4(x)
+    return F.linear(x, weight)
