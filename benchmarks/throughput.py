@@ -96,15 +96,23 @@ def _timed(fn):
     return time.perf_counter() - t
 
 
-def roofline_ms(cfg, dtype, batch, ctx, bw, flops):
-    e = dtype.itemsize
+def roofline_ms(engine, batch, ctx, bw, flops):
+    """max(bytes read / bandwidth, FLOPs / matmul rate) for one decode step of `batch` tokens."""
+    from tidal.layers.linear import INT4_MAX_TOKENS
+
+    cfg, e = engine.model_config, engine.dtype.itemsize
     per_layer = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
                  + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
-    linear_params = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size  # + lm head
+    int4 = bool(engine.runner.model.layers[0].int4) and batch <= INT4_MAX_TOKENS
+    layer_bytes = cfg.num_layers * per_layer * ((0.5 + 2 * e / 32) if int4 else e)  # codes + scale/zero
+    head = cfg.vocab_size * cfg.hidden_size
     kv_bytes = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * e
-    t_mem = (linear_params * e + kv_bytes) / bw
-    t_compute = 2 * linear_params * batch / flops
+    t_mem = (layer_bytes + head * e + kv_bytes) / bw
+    t_compute = 2 * (cfg.num_layers * per_layer + head) * batch / flops
     return max(t_mem, t_compute) * 1e3, "memory" if t_mem >= t_compute else "compute"
+
+
+TIDAL = {"float32": "tidal fp32", "bfloat16": "tidal bf16 (default)"}
 
 
 def main():
@@ -117,44 +125,45 @@ def main():
     args = ap.parse_args()
     texts = chat_prompts()
     n = args.output_tokens
-    print(f"# tidal throughput vs transformers {_hf_version()}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    rows, steps = [], []
+    print(f"# tidal vs transformers {_hf_version()}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {platform.machine()}; {n} output tokens per request")
+    rates: dict[tuple[str, int], float] = {}
+    steps = []
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
         llm = LLM(dtype=name)
         prompts = [chat_ids(llm.tokenizer, t) for t in texts]
         single = prompts[: args.single_requests]
         many = (prompts * (1 + args.concurrency // len(prompts)))[: args.concurrency]
-        tidal_generate(llm, single[:1], 8)  # warm-up
         hf = load_hf(dtype)
-        hf_generate(hf, single[:1], 8)
-        for conc, ps in ((1, single), (args.concurrency, many)):
-            if conc == 1:
-                ours, theirs = sequential(lambda p, k: tidal_generate(llm, p, k), ps, n), \
-                    sequential(lambda p, k: hf_generate(hf, p, k), ps, n)
-            else:
-                ours, theirs = tidal_generate(llm, ps, n), hf_generate(hf, ps, n)
-            rows.append((name, conc, ours, theirs))
-            print(f"  {name} c={conc}: tidal {ours:.1f} tok/s, transformers {theirs:.1f} tok/s", flush=True)
+        for label, gen in ((TIDAL[name], lambda p, k: tidal_generate(llm, p, k)),
+                           (f"transformers {name}", lambda p, k: hf_generate(hf, p, k))):
+            gen(single[:1], 4)  # warm-up
+            rates[label, 1] = sequential(gen, single, n)
+            rates[label, args.concurrency] = gen(many, n)
+            print(f"  {label}: {rates[label, 1]:.1f} tok/s at 1, {rates[label, args.concurrency]:.1f} "
+                  f"at {args.concurrency}", flush=True)
         del hf
         bw, flops = machine_rates(dtype)
+        print(f"  measured {name}: copy bandwidth {bw / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s")
         for b in map(int, args.step_batches.split(",")):
             ms = decode_step_ms(llm, b)
-            roof, bound = roofline_ms(llm.engine.model_config, dtype, b, 64 + 12, bw, flops)
-            steps.append((name, b, ms, roof, bound, bw, flops))
+            steps.append((TIDAL[name], b, ms, *roofline_ms(llm.engine, b, 64 + 12, bw, flops)))
         del llm
-    print("\n| dtype | concurrency | tidal tok/s | transformers tok/s | tidal / transformers |")
-    print("|---|---|---|---|---|")
-    for name, conc, ours, theirs in rows:
-        print(f"| {name} | {conc} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |")
-    print("\n| dtype | batch | tidal decode step ms (median) | roofline ms | bound | roofline / measured |")
+    labels = list(dict.fromkeys(label for label, _ in rates))
+    hf_labels = [x for x in labels if x.startswith("transformers")]
+    ours = [x for x in labels if x.startswith("tidal")]
+    print("\n| concurrency | " + " | ".join(f"{x} tok/s" for x in labels)
+          + " | " + " | ".join(f"{x} / best transformers" for x in ours) + " |")
+    print("|---" * (1 + len(labels) + len(ours)) + "|")
+    for conc in (1, args.concurrency):
+        best = max(rates[x, conc] for x in hf_labels)
+        print(f"| {conc} | " + " | ".join(f"{rates[x, conc]:.1f}" for x in labels) + " | "
+              + " | ".join(f"{rates[x, conc] / best:.2f}x" for x in ours) + " |")
+    print("\n| engine | batch | decode step ms (median) | roofline ms | bound | roofline / measured |")
     print("|---|---|---|---|---|---|")
-    for name, b, ms, roof, bound, bw, flops in steps:
-        print(f"| {name} | {b} | {ms:.1f} | {roof:.1f} | {bound} | {roof / ms:.0%} |")
-    for name in dict.fromkeys(s[0] for s in steps):
-        bw, flops = next((s[5], s[6]) for s in steps if s[0] == name)
-        print(f"measured {name}: copy bandwidth {bw / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s")
+    for label, b, ms, roof, bound in steps:
+        print(f"| {label} | {b} | {ms:.1f} | {roof:.1f} | {bound} | {roof / ms:.0%} |")
 
 
 def _hf_version():

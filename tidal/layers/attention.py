@@ -43,11 +43,14 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     num_tokens, heads, head_dim = q.shape
     out = q.new_empty(num_tokens, heads * head_dim)
+    # On CPU, torch's fp32 SDPA kernel is several times faster than its bf16 one for batched
+    # decode (measured: 0.46 vs 4.0 ms at 64 sequences x 100 keys), so attend in fp32 there.
+    dtype = torch.float32 if q.device.type == "cpu" else q.dtype
     for g in meta.groups:
-        qg = q[g.token_index].transpose(1, 2)  # [B, heads, Q, D]
-        kg = k_cache[g.kv_slots].transpose(1, 2)  # [B, kv_heads, K, D]
-        vg = v_cache[g.kv_slots].transpose(1, 2)
+        qg = q[g.token_index].transpose(1, 2).to(dtype)  # [B, heads, Q, D]
+        kg = k_cache[g.kv_slots].transpose(1, 2).to(dtype)  # [B, kv_heads, K, D]
+        vg = v_cache[g.kv_slots].transpose(1, 2).to(dtype)
         og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
-        og = og.transpose(1, 2).reshape(-1, heads * head_dim)[g.valid]
+        og = og.transpose(1, 2).reshape(-1, heads * head_dim)[g.valid].to(q.dtype)
         out.index_copy_(0, g.out_index, og)
     return out
