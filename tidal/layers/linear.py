@@ -3,8 +3,8 @@
 GGUF Q4_0/Q4_1 weights are groups of 32 4-bit codes with a scale (and a minimum); torch's
 `_weight_int4pack_mm_for_cpu` computes (q - 8) * scale + zero per group, which represents both
 exactly. Reading 4-bit weights is what makes small batches fast on a CPU; at larger token counts
-the dense bf16 matmul wins (measured on this project's 2-core AVX512-BF16 machine: int4 faster
-up to about 32-48 tokens per step, dense faster from 64 on), so both are kept.
+the dense bf16 matmul wins (decode steps measured on this project's 2-core AVX512-BF16 machine:
+int4 clearly faster at 1-8 tokens, even at 16, slower at 32), so both are kept.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-INT4_MAX_TOKENS = 32
+INT4_MAX_TOKENS = 16
 GROUP_SIZE = 32
 
 
