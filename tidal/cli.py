@@ -10,6 +10,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or a HF Llama directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--speculative-method", default="none", choices=["none", "ngram"])
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+
+
+def _engine_kwargs(args) -> dict:
+    from tidal.config import SpecConfig
+
+    return dict(dtype=args.dtype, device=args.device,
+                spec=SpecConfig(args.speculative_method, args.num_speculative_tokens))
 
 
 def _generate(args) -> int:
@@ -17,7 +26,7 @@ def _generate(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, **_engine_kwargs(args))
     if args.no_chat:
         out = llm.generate(args.prompt, params)[0]
     else:
@@ -40,11 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--no-chat", action="store_true", help="send the prompt as raw text")
     g.set_defaults(func=_generate)
     args = parser.parse_args(argv)
-    from tidal.sampling_params import InvalidParameter
-
     try:
         return args.func(args)
-    except (InvalidParameter, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # InvalidParameter and bad config values
         print(f"tidal: error: {e}", file=sys.stderr)
         return 2
 

@@ -56,6 +56,24 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: which drafter, and how many draft tokens per step at most."""
+
+    method: str = "none"  # none | ngram
+    num_speculative_tokens: int = 3
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    def __post_init__(self):
+        if self.method not in ("none", "ngram"):
+            raise ValueError(f"speculative method {self.method!r} is not one of none, ngram")
+        if not 1 <= self.num_speculative_tokens <= 15:
+            raise ValueError("num_speculative_tokens must be in 1..15")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs. `model=None` means the bundled default."""
 
@@ -65,6 +83,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

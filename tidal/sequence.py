@@ -15,6 +15,30 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class SpecStats:
+    """Per-request speculation statistics."""
+
+    num_drafted: int = 0
+    num_accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        for pos in range(num_drafted):
+            if pos == len(self.drafted_per_position):
+                self.drafted_per_position.append(0)
+                self.accepted_per_position.append(0)
+            self.drafted_per_position[pos] += 1
+            self.accepted_per_position[pos] += pos < num_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+
 @dataclass(eq=False)
 class Sequence:
     """One request as the scheduler and runner see it.
@@ -35,6 +59,10 @@ class Sequence:
     output_text: str = ""
     generator: Any = None  # the request's torch.Generator, owned by the sampler
     num_preemptions: int = 0
+    # speculation: drafts proposed for the next step, and what verification made of them
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Any = None  # [k, V] tensor from a sampling drafter; None for n-gram
+    spec: "SpecStats" = field(default_factory=lambda: SpecStats())
 
     @property
     def token_ids(self) -> list[int]:

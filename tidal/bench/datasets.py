@@ -9,3 +9,9 @@ from importlib import resources
 def chat_prompts() -> list[str]:
     """Short, varied single-turn user prompts (tidal/data/chat_prompts.json)."""
     return json.loads((resources.files("tidal.data") / "chat_prompts.json").read_text())
+
+
+def rewrite_prompts() -> list[str]:
+    """Repetition-heavy tasks (repeat, rewrite, reformat a given passage), where the answer
+    reuses much of the prompt (tidal/data/rewrite_prompts.json)."""
+    return json.loads((resources.files("tidal.data") / "rewrite_prompts.json").read_text())

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tidal.config import EngineConfig
+from tidal.config import EngineConfig, SpecConfig
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.scheduler import Scheduler
@@ -16,6 +16,7 @@ from tidal.models import loader
 from tidal.models.llama import LlamaModel
 from tidal.sampling_params import InvalidParameter, SamplingParams
 from tidal.sequence import Sequence
+from tidal.spec.ngram import NgramDrafter
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,6 +46,12 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def make_drafter(spec: SpecConfig):
+    if spec.method == "ngram":
+        return NgramDrafter(spec.ngram_min, spec.ngram_max)
+    return None
+
+
 class LLMEngine:
     """Continuous-batching engine over the paged KV cache."""
 
@@ -64,6 +71,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, config.cache, self.device, self.dtype, config.seed)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.drafter = make_drafter(config.spec)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
 
@@ -117,16 +125,39 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        tokens = iter(self.runner.execute(out.scheduled))
-        outputs = []
+        gained = iter(self.runner.execute(out.scheduled))
+        outputs, decoding = [], []
         for s in out.scheduled:
             seq = s.seq
             samples = s.samples
-            seq.num_computed_tokens += s.num_new_tokens
-            if samples:
-                self._append(seq, next(tokens))
-                outputs.append(self._output(seq))
+            seq.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens
+            if not samples:
+                continue
+            tokens = next(gained)
+            if s.num_draft_tokens:  # accepted drafts already have their KV written
+                seq.spec.record(s.num_draft_tokens, len(tokens) - 1)
+                seq.num_computed_tokens += len(tokens) - 1
+                seq.draft_token_ids, seq.draft_probs = [], None
+            for t in tokens:
+                self._append(seq, t)
+                if seq.is_finished:
+                    break
+            outputs.append(self._output(seq))
+            if not seq.is_finished:
+                decoding.append(seq)
+        if self.drafter is not None and decoding:
+            self._propose(decoding)
         return outputs
+
+    def _propose(self, seqs: list[Sequence]) -> None:
+        """Drafts for the next step; never more than the request may still emit, less one for
+        the verifier's own token."""
+        k = self.config.spec.num_speculative_tokens
+        ks = [max(0, min(k, s.params.max_tokens - len(s.output_token_ids) - 1)) for s in seqs]
+        drafts, probs = self.drafter.propose(seqs, ks)
+        for i, (seq, draft) in enumerate(zip(seqs, drafts)):
+            seq.draft_token_ids = list(draft)
+            seq.draft_probs = None if probs is None else probs[i]
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_token_ids.append(token)

@@ -12,6 +12,7 @@ from tidal.layers.attention import AttentionGroup, AttentionMetadata
 from tidal.layers.sampler import sample
 from tidal.models.llama import LlamaModel
 from tidal.sequence import Sequence
+from tidal.spec.verify import verify_greedy, verify_sampled
 
 # Sequences feeding at most this many tokens share one padded attention call (decode, verify);
 # longer prefill chunks get a call each so padding never multiplies a long chunk.
@@ -70,7 +71,8 @@ class ModelRunner:
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start:start + n])
+            ids.extend(seq.token_ids[start:start + n - s.num_draft_tokens])
+            ids.extend(seq.draft_token_ids[: s.num_draft_tokens])
             positions.append(np.arange(start, start + n))
             slots.append(self._slots(seq, start, start + n))
             if n <= SHORT_QUERY_LEN:
@@ -86,17 +88,39 @@ class ModelRunner:
 
     # ------------------------------------------------------------ run
 
-    def execute(self, scheduled: list[ScheduledSeq]) -> list[int]:
-        """Run one step; returns the sampled token of each scheduled seq that samples, in order."""
+    def execute(self, scheduled: list[ScheduledSeq]) -> list[list[int]]:
+        """Run one step. For each scheduled seq that samples, in order: the tokens it gains
+        (one sampled token, or its accepted drafts plus the verifier's next token)."""
         input_ids, positions, meta = self.prepare(scheduled)
         hidden, _ = self.model(input_ids, positions, self.kv_caches, meta)
         ends = np.cumsum([s.num_new_tokens for s in scheduled]) - 1
-        sampling = [s.seq for s in scheduled if s.samples]
+        rows, starts, sampling = [], [], []
+        for end, s in zip(ends, scheduled):
+            if s.samples:  # logits for the last fed token and for every draft token
+                starts.append(len(rows))
+                rows.extend(range(end - s.num_draft_tokens, end + 1))
+                sampling.append(s)
         if not sampling:
             return []
-        idx = torch.tensor([e for e, s in zip(ends, scheduled) if s.samples], device=self.device)
-        logits = self.model.compute_logits(hidden[idx])
-        return self.sample(logits, sampling)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        results: list[list[int]] = [[] for _ in sampling]
+        plain = [i for i, s in enumerate(sampling) if not s.num_draft_tokens]
+        if plain:
+            tokens = self.sample(logits[[starts[i] for i in plain]], [sampling[i].seq for i in plain])
+            for i, t in zip(plain, tokens):
+                results[i] = [t]
+        for i, s in enumerate(sampling):
+            if s.num_draft_tokens:
+                results[i] = self.verify(logits[starts[i]:starts[i] + s.num_draft_tokens + 1], s)
+        return results
+
+    def verify(self, logits: torch.Tensor, s: ScheduledSeq) -> list[int]:
+        seq, p = s.seq, s.seq.params
+        draft = seq.draft_token_ids[: s.num_draft_tokens]
+        if p.greedy:
+            return verify_greedy(logits, draft)
+        probs = None if seq.draft_probs is None else seq.draft_probs[: len(draft)]
+        return verify_sampled(logits, draft, probs, p.temperature, p.top_k, p.top_p, self.generator(seq))
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         params = [s.params for s in seqs]

@@ -19,12 +19,14 @@ from tidal.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # tokens fed this step, draft tokens included
+    num_draft_tokens: int = 0
 
     @property
     def samples(self) -> bool:
         """True when this step feeds the sequence's last token, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        fed = self.num_new_tokens - self.num_draft_tokens
+        return self.seq.num_computed_tokens + fed == self.seq.num_tokens
 
 
 @dataclass
@@ -63,11 +65,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            drafts = len(seq.draft_token_ids) if seq.num_uncomputed_tokens == 1 else 0
+            n = min(seq.num_uncomputed_tokens + drafts, budget)
             if not self._make_room(seq, seq.num_computed_tokens + n, out):
                 break  # seq itself was preempted; everything after it already was
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            drafts = max(0, min(drafts, n - seq.num_uncomputed_tokens))
+            del seq.draft_token_ids[drafts:]  # drafts beyond the token budget are dropped
+            out.scheduled.append(ScheduledSeq(seq, n, drafts))
             budget -= n
             i += 1
         if not out.preempted:
@@ -101,6 +106,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids, seq.draft_probs = [], None
         seq.num_preemptions += 1
         self.add(seq)
 

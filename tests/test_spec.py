@@ -1,0 +1,142 @@
+"""Speculative decoding: n-gram drafting, lossless verification, engine integration."""
+
+import pytest
+import torch
+
+from tidal import SamplingParams
+from tidal.config import CacheConfig, SpecConfig
+from tidal.engine.llm_engine import LLM
+from tidal.spec import verify
+from tidal.spec.ngram import ngram_propose
+
+
+def test_ngram_proposes_the_continuation_of_the_latest_match():
+    assert ngram_propose([1, 2, 3, 4, 1, 2], k=3) == [3, 4, 1]
+    assert ngram_propose([5, 6, 7, 5, 6, 8, 5, 6], k=2) == [8, 5]  # latest match wins
+    assert ngram_propose([1, 2, 3, 9, 9, 2, 3], k=5, max_n=2) == [9, 9, 2, 3]
+    assert ngram_propose([1, 2, 3, 4], k=3) == []
+    assert ngram_propose([7], k=3) == []
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+CHI2_DF5_P001 = 20.52  # chi-square critical value, 5 degrees of freedom, p = 0.001
+
+
+def first_tokens(p, q, n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.log(p).expand(2, -1)
+    counts = torch.zeros(len(p))
+    for _ in range(n):
+        x = int(torch.multinomial(q, 1, generator=gen))
+        counts[verify.verify_sampled(logits, [x], q[None], 1.0, -1, 1.0, gen)[0]] += 1
+    return counts
+
+
+P = torch.tensor([0.05, 0.10, 0.40, 0.20, 0.15, 0.10])
+Q = torch.tensor([0.30, 0.30, 0.10, 0.10, 0.10, 0.10])
+
+
+def test_rejection_sampling_is_lossless():
+    counts = first_tokens(P, Q, 20_000)
+    assert chi_square(counts, P) < CHI2_DF5_P001
+    assert chi_square(counts, Q) > 100  # the draft distribution is clearly not what came out
+
+
+def test_a_broken_rejection_sampler_fails_the_same_test(monkeypatch):
+    monkeypatch.setattr(verify, "residual", lambda p, q: p)  # resample from p, not max(p - q, 0)
+    assert chi_square(first_tokens(P, Q, 20_000), P) > CHI2_DF5_P001
+
+
+def test_one_hot_draft_is_lossless():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.log(P).expand(2, -1)
+    counts = torch.zeros(len(P))
+    for _ in range(20_000):
+        counts[verify.verify_sampled(logits, [2], None, 1.0, -1, 1.0, gen)[0]] += 1
+    assert chi_square(counts, P) < CHI2_DF5_P001
+
+
+def test_greedy_verification_accepts_the_matching_prefix():
+    logits = torch.full((4, 10), -5.0)
+    for i, t in enumerate([3, 4, 7, 1]):
+        logits[i, t] = 5.0
+    assert verify.verify_greedy(logits, [3, 4, 5]) == [3, 4, 7]
+    assert verify.verify_greedy(logits, [3, 4, 7]) == [3, 4, 7, 1]
+    assert verify.verify_greedy(logits, [9, 4, 7]) == [3]
+
+
+REPEAT = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def repetitive_prompts(n):
+    g = torch.Generator().manual_seed(4)
+    out = []
+    for i in range(n):
+        motif = torch.randint(0, 256, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist()
+        out.append(motif * (2 + i % 4))
+    return out
+
+
+def tiny(path, spec="none", **kw):
+    return LLM(str(path), dtype="float32", spec=SpecConfig(method=spec, num_speculative_tokens=4),
+               cache=CacheConfig(block_size=4, num_blocks=kw.get("num_blocks", 512)))
+
+
+def test_ngram_greedy_equals_no_speculation_on_tiny_model(tiny_model_dir):
+    ps = repetitive_prompts(10)
+    plain = tiny(tiny_model_dir).generate(ps, REPEAT)
+    spec_llm = tiny(tiny_model_dir, "ngram")
+    eng = spec_llm.engine
+    seqs = [eng.add_request(str(i), p, REPEAT) for i, p in enumerate(ps)]
+    while eng.has_unfinished():
+        eng.step()
+    assert [s.output_token_ids for s in seqs] == [o.token_ids for o in plain]
+    assert sum(s.spec.num_accepted for s in seqs) > 0
+    assert all(s.spec.num_accepted <= s.spec.num_drafted for s in seqs)
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_ngram_under_preemption_keeps_outputs(tiny_model_dir):
+    ps = repetitive_prompts(10)
+    plain = tiny(tiny_model_dir).generate(ps, REPEAT)
+    outs = tiny(tiny_model_dir, "ngram", num_blocks=40).generate(ps, REPEAT)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+def test_sampled_speculation_is_reproducible_with_a_seed(tiny_model_dir):
+    llm = tiny(tiny_model_dir, "ngram")
+    sp = SamplingParams(max_tokens=30, temperature=0.8, top_k=20, seed=7, ignore_eos=True)
+    ps = repetitive_prompts(3)
+    a = [o.token_ids for o in llm.generate(ps, sp)]
+    b = [o.token_ids for o in llm.generate(ps, sp)]
+    assert a == b and all(len(x) == 30 for x in a)
+
+
+@pytest.fixture(scope="module")
+def spec_prompts(llm):
+    from tidal.bench.datasets import chat_prompts, rewrite_prompts
+
+    texts = chat_prompts()[:10] + rewrite_prompts()[:10]
+    return [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]))
+            for t in texts]
+
+
+def test_ngram_greedy_is_lossless_on_the_bundled_model(llm, spec_prompts):
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    plain = [llm.generate([p], params)[0].token_ids for p in spec_prompts]
+    spec = LLM(dtype="float32", spec=SpecConfig(method="ngram", num_speculative_tokens=4))
+    alone = [spec.generate([p], params)[0].token_ids for p in spec_prompts]
+    assert alone == plain
+    eng = spec.engine
+    seqs = []
+    for i in range(0, len(spec_prompts), 8):  # 8 concurrent requests at a time
+        group = [eng.add_request(f"c8-{i + j}", p, params) for j, p in enumerate(spec_prompts[i:i + 8])]
+        while eng.has_unfinished():
+            eng.step()
+        seqs += group
+    assert [s.output_token_ids for s in seqs] == plain
+    assert sum(s.spec.num_accepted for s in seqs) > 20  # the rewrite prompts do get drafts accepted

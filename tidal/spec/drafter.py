@@ -1,0 +1,19 @@
+"""The Drafter interface: proposes draft tokens for the target model to verify."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from tidal.sequence import Sequence
+
+
+class Drafter(Protocol):
+    """Proposes up to `num_draft_tokens[i]` tokens to follow each sequence's current tokens.
+
+    Returns one list per sequence (possibly shorter than asked, or empty). Drafters that sample
+    from a distribution also return its probabilities per draft position; deterministic ones
+    (n-gram) return None, which the verifier treats as a one-hot draft distribution.
+    """
+
+    def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> tuple[list[list[int]], list | None]:
+        ...
