@@ -16,25 +16,20 @@ import torch
 
 from tidal import LLM, SamplingParams
 from tidal.bench.datasets import chat_prompts, rewrite_prompts
-from tidal.config import SpecConfig
+from tidal.config import CacheConfig, SpecConfig
 
 
-def run(llm: LLM, prompts: list[list[int]], n_out: int):
-    """Each prompt alone; returns (tok/s over all, mean tokens per decode step, mean acceptance)."""
+def run_one(llm: LLM, prompt: list[int], n_out: int, rid: str) -> tuple[float, int, int, int, int]:
+    """One request alone: (seconds, output tokens, decode steps, drafted, accepted)."""
     eng = llm.engine
-    params = SamplingParams(max_tokens=n_out, temperature=0)
-    tokens = steps = drafted = accepted = 0
-    elapsed = 0.0
-    for i, p in enumerate(prompts):
-        seq = eng.add_request(f"bench-{i}", p, params)
-        t = time.perf_counter()
-        while eng.has_unfinished():
-            eng.step()
-            steps += seq.num_computed_tokens >= len(seq.prompt_token_ids)
-        elapsed += time.perf_counter() - t
-        tokens += len(seq.output_token_ids)
-        drafted, accepted = drafted + seq.spec.num_drafted, accepted + seq.spec.num_accepted
-    return tokens / elapsed, tokens / steps, accepted / drafted if drafted else float("nan")
+    seq = eng.add_request(rid, prompt, SamplingParams(max_tokens=n_out, temperature=0))
+    steps = 0
+    t = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+        steps += seq.num_computed_tokens >= len(seq.prompt_token_ids)
+    return (time.perf_counter() - t, len(seq.output_token_ids), steps,
+            seq.spec.num_drafted, seq.spec.num_accepted)
 
 
 def main():
@@ -44,31 +39,38 @@ def main():
     ap.add_argument("--ks", default="1,2,3,4,5,6")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    configs = [("off", SpecConfig())] + [(f"ngram K={k}", SpecConfig("ngram", k)) for k in map(int, args.ks.split(","))]
-    workloads = {"chat": chat_prompts()[: args.prompts], "rewrite": rewrite_prompts()[: args.prompts]}
-    results = {}
-    for name, spec in configs:
-        llm = LLM(dtype=args.dtype, spec=spec)
-        tok = llm.tokenizer
+    configs = {"off": SpecConfig()}
+    configs.update({f"ngram K={k}": SpecConfig("ngram", k) for k in map(int, args.ks.split(","))})
+    # One engine per config, all loaded at once, and each prompt run on every engine in turn
+    # (rotating the order), so that drift in this machine's speed hits every config alike.
+    cache = CacheConfig(kv_cache_bytes=256 << 20)
+    engines = {name: LLM(dtype=args.dtype, spec=spec, cache=cache) for name, spec in configs.items()}
+    tok = next(iter(engines.values())).tokenizer
+    for llm in engines.values():
         llm.generate("warm up", SamplingParams(max_tokens=4))
-        for w, texts in workloads.items():
-            ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
-            results[name, w] = run(llm, ids, args.output_tokens)
-            rate, tau, acc = results[name, w]
-            print(f"  {name:>12} {w:>8}: {rate:6.1f} tok/s, {tau:.2f} tokens/step", flush=True)
-        dtype = llm.engine.dtype
-        del llm
+    workloads = {"chat": chat_prompts()[: args.prompts], "rewrite": rewrite_prompts()[: args.prompts]}
+    totals = {(name, w): [0.0, 0, 0, 0, 0] for name in configs for w in workloads}
+    names = list(configs)
+    for w, texts in workloads.items():
+        for i, text in enumerate(texts):
+            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                one = run_one(engines[name], ids, args.output_tokens, f"{w}-{i}")
+                totals[name, w] = [a + b for a, b in zip(totals[name, w], one)]
+            print(f"  {w} prompt {i + 1}/{len(texts)} done", flush=True)
+    dtype = next(iter(engines.values())).engine.dtype
     print(f"\n# one request at a time, {args.prompts} prompts per workload, up to {args.output_tokens} "
-          f"greedy tokens, dtype {dtype}, torch {torch.__version__}")
+          f"greedy tokens, dtype {dtype}, torch {torch.__version__}; configs interleaved per prompt")
     print("| config | " + " | ".join(f"{w} tok/s | {w} vs off | {w} tokens/step | {w} acceptance"
                                       for w in workloads) + " |")
     print("|---" * (1 + 4 * len(workloads)) + "|")
-    for name, _ in configs:
+    for name in configs:
         cells = []
         for w in workloads:
-            rate, tau, acc = results[name, w]
-            cells += [f"{rate:.1f}", f"{rate / results['off', w][0]:.2f}x", f"{tau:.2f}",
-                      "-" if acc != acc else f"{acc:.0%}"]
+            sec, toks, steps, drafted, accepted = totals[name, w]
+            off = totals["off", w]
+            cells += [f"{toks / sec:.1f}", f"{(toks / sec) / (off[1] / off[0]):.2f}x", f"{toks / steps:.2f}",
+                      f"{accepted / drafted:.0%}" if drafted else "-"]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

@@ -35,11 +35,15 @@ def test_hf_dir_logits_match_transformers(tmp_path):
         eng.add_request("p", ids, SamplingParams(max_tokens=1))
         out = eng.scheduler.schedule()
         input_ids, positions, meta = eng.runner.prepare(out.scheduled)
-        hidden, _ = eng.runner.model(input_ids, positions, eng.runner.kv_caches, meta)
+        hidden, aux = eng.runner.model(input_ids, positions, eng.runner.kv_caches, meta, aux_layers=(0, 1))
         ours = eng.runner.model.compute_logits(hidden)
         with torch.no_grad():
-            expected = ref(torch.tensor([ids])).logits[0]
-        assert (ours - expected).abs().max().item() < 1e-4
+            expected = ref(torch.tensor([ids]), output_hidden_states=True)
+        assert (ours - expected.logits[0]).abs().max().item() < 1e-4
+        # the residual stream after layers 0 and 1 (EAGLE-3 drafts from such features);
+        # HF's last entry is already normed, so compare the ones before it
+        assert len(aux) == 2
+        torch.testing.assert_close(aux[0], expected.hidden_states[1][0], atol=1e-5, rtol=1e-5)
 
 
 def test_greedy_matches_transformers_generate(tiny_model_dir):
