@@ -145,3 +145,18 @@ def test_seeded_sampling_reproducible_alone_and_batched(tiny_model_dir):
     assert mixed[0].token_ids == alone
     other = llm.generate([ps[0]], SamplingParams(max_tokens=16, temperature=1.0, seed=99))[0].token_ids
     assert other != alone
+
+
+def test_bad_input_is_rejected_and_loses_nothing(tiny_model_dir):
+    llm = engine(tiny_model_dir)
+    eng = llm.engine
+    with pytest.raises(InvalidParameter, match="prompt"):
+        eng.add_request("x", None, GREEDY)
+    with pytest.raises(InvalidParameter, match="token ids"):
+        eng.add_request("y", [True, False], GREEDY)
+    with pytest.raises(TypeError):
+        eng.add_request("z", [1, 2], {"max_tokens": 3})
+    assert not eng.has_unfinished()
+    ok = llm.generate([[1, 2, 3]], GREEDY)[0]  # the engine still serves
+    assert len(ok.token_ids) == 24
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks

@@ -57,3 +57,29 @@ def test_sample_greedy_rows_and_distribution():
     draws = torch.stack([sample(logits[:1], one[:1], off_k[:1], off_p[:1], [gen]) for _ in range(4000)])
     freq = torch.bincount(draws.flatten(), minlength=3).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.1, 0.2, 0.7]), atol=0.03)
+
+
+def test_none_stop_values_and_tiny_temperature():
+    p = SamplingParams(stop=None, stop_token_ids=None, temperature=1e-45)
+    assert p.stop == () and p.stop_token_ids == () and p.greedy
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(seed=2**64), "seed"),
+    (dict(seed=True), "seed"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(stop_token_ids=["a"]), "stop_token_ids"),
+    (dict(stop_token_ids=5), "stop_token_ids"),
+])
+def test_more_bad_values(kwargs, param):
+    with pytest.raises(InvalidParameter) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
+
+
+def test_top_p_one_rows_are_untouched_beside_top_p_rows():
+    logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0)) * 4
+    out = filter_logits(logits, torch.ones(2), torch.zeros(2, dtype=torch.long), torch.tensor([1.0, 0.5]))
+    assert torch.isfinite(out[0]).all()
+    assert torch.isinf(out[1]).any()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tidal import SamplingParams
-from tidal.config import CacheConfig, SpecConfig
+from tidal.config import CacheConfig, SchedulerConfig, SpecConfig
 from tidal.engine.llm_engine import LLM
 from tidal.spec import verify
 from tidal.spec.ngram import ngram_propose
@@ -81,9 +81,10 @@ def repetitive_prompts(n):
     return out
 
 
-def tiny(path, spec="none", **kw):
+def tiny(path, spec="none", num_blocks=512, max_num_batched_tokens=2048):
     return LLM(str(path), dtype="float32", spec=SpecConfig(method=spec, num_speculative_tokens=4),
-               cache=CacheConfig(block_size=4, num_blocks=kw.get("num_blocks", 512)))
+               cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+               scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens))
 
 
 def test_ngram_greedy_equals_no_speculation_on_tiny_model(tiny_model_dir):
@@ -100,11 +101,23 @@ def test_ngram_greedy_equals_no_speculation_on_tiny_model(tiny_model_dir):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
-def test_ngram_under_preemption_keeps_outputs(tiny_model_dir):
+@pytest.mark.parametrize("num_blocks, budget", [(40, 2048), (512, 7)])
+def test_ngram_under_preemption_or_small_budget_keeps_outputs(tiny_model_dir, num_blocks, budget):
     ps = repetitive_prompts(10)
     plain = tiny(tiny_model_dir).generate(ps, REPEAT)
-    outs = tiny(tiny_model_dir, "ngram", num_blocks=40).generate(ps, REPEAT)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    eng = tiny(tiny_model_dir, "ngram", num_blocks=num_blocks, max_num_batched_tokens=budget).engine
+    seqs = [eng.add_request(str(i), p, REPEAT) for i, p in enumerate(ps)]
+    max_fed = 0
+    while eng.has_unfinished():
+        before = sum(s.spec.num_drafted for s in seqs)
+        eng.step()
+        max_fed = max(max_fed, sum(s.spec.num_drafted for s in seqs) - before)
+    assert [s.output_token_ids for s in seqs] == [o.token_ids for o in plain]
+    if num_blocks == 40:
+        assert sum(s.num_preemptions for s in seqs) > 0
+    else:
+        assert 0 < max_fed < budget  # drafts rode along, trimmed to the step's token budget
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
 def test_sampled_speculation_is_reproducible_with_a_seed(tiny_model_dir):

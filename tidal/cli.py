@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tidal.config import DTYPES
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or a HF Llama directory (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--speculative-method", default="none", choices=["none", "ngram"])
     p.add_argument("--num-speculative-tokens", type=int, default=3)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder."""
@@ -67,8 +70,8 @@ class SpecConfig:
     def __post_init__(self):
         if self.method not in ("none", "ngram"):
             raise ValueError(f"speculative method {self.method!r} is not one of none, ngram")
-        if not 1 <= self.num_speculative_tokens <= 15:
-            raise ValueError("num_speculative_tokens must be in 1..15")
+        if not (0 if self.method == "none" else 1) <= self.num_speculative_tokens <= 15:
+            raise ValueError("num_speculative_tokens must be in 1..15 (0 only with method none)")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
 
@@ -86,5 +89,5 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self):
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}")

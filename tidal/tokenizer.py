@@ -34,10 +34,6 @@ class Tokenizer:
         name = lambda i: tokens[i] if i is not None and 0 <= i < len(tokens) else None  # noqa: E731
         return cls(tok, chat_template, name(bos_id), name(eos_id))
 
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -50,8 +46,11 @@ class Tokenizer:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("each message needs a string 'role' and a string 'content'")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"the chat template rejected these messages: {e}") from e
 
 
 def _raise_template_error(message: str):

@@ -23,10 +23,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
-
     def num_missing_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` still needs so that `num_tokens` of its tokens have slots."""
         return max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table))

@@ -43,7 +43,13 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {device!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+    return dev
 
 
 def make_drafter(spec: SpecConfig):
@@ -80,12 +86,17 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None) -> Sequence:
         """Queue a request; raises InvalidParameter for input that could never be served."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(prompt, (str, list, tuple)):
+            raise InvalidParameter("prompt", "must be a string or a list of token ids")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_fits(ids, params)
         seq = Sequence(request_id, ids, params, arrival=next(self._arrivals))
+        self.runner.generator(seq)  # seeded now, so a bad seed fails here and not mid-step
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -94,7 +105,7 @@ class LLMEngine:
         if not ids:
             raise InvalidParameter("prompt", "must not be empty")
         vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        if any(type(t) is not int or not 0 <= t < vocab for t in ids):
             raise InvalidParameter("prompt", f"token ids must be integers in [0, {vocab})")
         limit = self.model_config.max_model_len
         if len(ids) + params.max_tokens > limit:
@@ -154,6 +165,8 @@ class LLMEngine:
         the verifier's own token."""
         k = self.config.spec.num_speculative_tokens
         ks = [max(0, min(k, s.params.max_tokens - len(s.output_token_ids) - 1)) for s in seqs]
+        if not any(ks):
+            return
         drafts, probs = self.drafter.propose(seqs, ks)
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
             seq.draft_token_ids = list(draft)
@@ -197,22 +210,22 @@ class LLM:
         """`prompts`: a string, a list of strings, or a list of token-id lists. Outputs keep order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("need one SamplingParams per prompt")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        final: dict[str, RequestOutput] = {}
         try:
             for rid, prompt, p in zip(ids, prompts, params_list):
                 self.engine.add_request(rid, prompt, p)
-        except Exception:
+            while len(final) < len(ids):
+                for o in self.engine.step():
+                    if o.finished:
+                        final[o.request_id] = o
+        finally:  # on any error, leave no request of ours holding KV blocks
             for rid in ids:
-                self.engine.abort(rid)
-            raise
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for o in self.engine.step():
-                if o.finished:
-                    final[o.request_id] = o
+                if rid not in final:
+                    self.engine.abort(rid)
         return [final[rid] for rid in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], params=None) -> list[RequestOutput]:

@@ -21,22 +21,17 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens fed this step, draft tokens included
     num_draft_tokens: int = 0
+    samples: bool = False  # this step feeds the sequence's last token, so it gains a token
 
-    @property
-    def samples(self) -> bool:
-        """True when this step feeds the sequence's last token, so a new token is sampled."""
+    def __post_init__(self):
         fed = self.num_new_tokens - self.num_draft_tokens
-        return self.seq.num_computed_tokens + fed == self.seq.num_tokens
+        self.samples = self.seq.num_computed_tokens + fed == self.seq.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 def _by_arrival(seq: Sequence) -> int:
@@ -65,19 +60,31 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            drafts = len(seq.draft_token_ids) if seq.num_uncomputed_tokens == 1 else 0
-            n = min(seq.num_uncomputed_tokens + drafts, budget)
+            n = min(seq.num_uncomputed_tokens, budget)
             if not self._make_room(seq, seq.num_computed_tokens + n, out):
                 break  # seq itself was preempted; everything after it already was
+            drafts = self._fit_drafts(seq, n, budget)
+            n += drafts
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
-            drafts = max(0, min(drafts, n - seq.num_uncomputed_tokens))
-            del seq.draft_token_ids[drafts:]  # drafts beyond the token budget are dropped
             out.scheduled.append(ScheduledSeq(seq, n, drafts))
             budget -= n
             i += 1
         if not out.preempted:
             self._admit(out, budget)
         return out
+
+    def _fit_drafts(self, seq: Sequence, n: int, budget: int) -> int:
+        """How many of seq's drafts ride along: only for a decode step, within the token budget
+        and the free blocks (a guess never preempts another request). Drops the rest."""
+        keep = 0
+        if n == seq.num_uncomputed_tokens == 1:
+            keep = min(len(seq.draft_token_ids), budget - n)
+            while keep and not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n + keep):
+                keep -= 1
+        del seq.draft_token_ids[keep:]
+        if seq.draft_probs is not None:
+            seq.draft_probs = seq.draft_probs[:keep]
+        return keep
 
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences until `seq` fits; False if seq went itself."""

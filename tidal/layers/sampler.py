@@ -21,9 +21,16 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         sorted_logits = sorted_logits.masked_fill(ranks[None] >= k[:, None], float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # keep a token while the mass before it < p
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+        cut = (mass_before >= top_p[:, None]) & (top_p < 1)[:, None]  # float error must not cut top_p=1 rows
+        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Index drawn from `probs` (last dim) by the exponential race: argmax p / E, E ~ Exp(1)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -38,6 +45,5 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if rows:
         idx = torch.tensor(rows, device=logits.device)
         probs = filter_logits(logits[idx].float(), temperature[idx], top_k[idx], top_p[idx]).softmax(-1)
-        noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=generators[i]) for i in rows])
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+        tokens[idx] = torch.stack([draw(probs[j], generators[i]) for j, i in enumerate(rows)])
     return tokens

@@ -25,8 +25,6 @@ class NgramDrafter:
     """No weights: proposes from the request's own prompt and output."""
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
-        if not 1 <= min_n <= max_n:
-            raise ValueError("need 1 <= ngram min_n <= max_n")
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.layers.sampler import filter_logits
+from tidal.layers.sampler import draw, filter_logits
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -19,11 +19,6 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     r = (p - q).clamp(min=0)
     total = r.sum(-1, keepdim=True)
     return torch.where(total > 0, r / total.clamp(min=1e-30), p)
-
-
-def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
-    noise = torch.empty_like(probs).exponential_(generator=gen)
-    return int((probs / noise).argmax())
 
 
 def verify_greedy(logits: torch.Tensor, draft: list[int]) -> list[int]:
@@ -53,10 +48,10 @@ def verify_sampled(logits: torch.Tensor, draft: list[int], draft_probs: torch.Te
     u = torch.rand(len(draft), generator=gen, device=p.device)
     out = []
     for i, x in enumerate(draft):
-        if u[i] * q[i, x] <= p[i, x]:  # accept with probability min(1, p / q)
+        if u[i] * q[i, x] < p[i, x]:  # accept with probability min(1, p / q); never if p = 0
             out.append(x)
         else:
-            out.append(_draw(residual(p[i], q[i]), gen))
+            out.append(int(draw(residual(p[i], q[i]), gen)))
             return out
-    out.append(_draw(p[len(draft)], gen))
+    out.append(int(draw(p[len(draft)], gen)))
     return out
