@@ -15,7 +15,7 @@ def test_generate_answers_on_the_bundled_model():
 
 def test_bad_parameter_is_a_clear_error(capsys):
     assert main(["generate", "hi", "--temperature", "-1"]) == 2
-    assert "temperature must be >= 0" in capsys.readouterr().err
+    assert "temperature must be a finite number >= 0" in capsys.readouterr().err
 
 
 def test_bad_device_is_a_clear_error(capsys):
