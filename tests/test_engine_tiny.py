@@ -160,3 +160,15 @@ def test_bad_input_is_rejected_and_loses_nothing(tiny_model_dir):
     ok = llm.generate([[1, 2, 3]], GREEDY)[0]  # the engine still serves
     assert len(ok.token_ids) == 24
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_bos_is_added_once_when_the_model_asks(tmp_path):
+    import json
+
+    make_tiny_llama(tmp_path)
+    tc = tmp_path / "tokenizer_config.json"
+    tc.write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
+    tok = engine(tmp_path).tokenizer
+    assert tok.encode("hi")[0] == 256 and tok.encode("<s>hi").count(256) == 1
+    tc.write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    assert 256 not in engine(tmp_path).tokenizer.encode("hi")

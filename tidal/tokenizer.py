@@ -11,10 +11,11 @@ class Tokenizer:
     """Encode, decode, and render chat messages with the model's own template."""
 
     def __init__(self, tokenizer: HFTokenizer, chat_template: str | None,
-                 bos_token: str | None = None, eos_token: str | None = None):
+                 bos_token: str | None = None, eos_token: str | None = None, add_bos: bool = False):
         self._tok = tokenizer
         self.chat_template = chat_template
         self.bos_token, self.eos_token = bos_token, eos_token
+        self._bos_id = tokenizer.token_to_id(bos_token) if add_bos and bos_token else None
         self._template = None
         if chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -23,7 +24,8 @@ class Tokenizer:
 
     @classmethod
     def from_bpe(cls, tokens: list[str], merges: list[str], special_ids: list[int],
-                 chat_template: str | None, bos_id: int | None, eos_id: int | None) -> "Tokenizer":
+                 chat_template: str | None, bos_id: int | None, eos_id: int | None,
+                 add_bos: bool = False) -> "Tokenizer":
         """A byte-level BPE tokenizer (GPT-2 style), as GGUF files of `tokenizer.ggml.model=gpt2` hold."""
         vocab = {t: i for i, t in enumerate(tokens)}
         pairs = [tuple(m.split(" ", 1)) for m in merges]
@@ -32,10 +34,15 @@ class Tokenizer:
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special_ids])
         name = lambda i: tokens[i] if i is not None and 0 <= i < len(tokens) else None  # noqa: E731
-        return cls(tok, chat_template, name(bos_id), name(eos_id))
+        return cls(tok, chat_template, name(bos_id), name(eos_id), add_bos)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`, with BOS first when the model wants it (once: a chat template
+        that already wrote it is not doubled)."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self._bos_id is not None and ids[:1] != [self._bos_id]:
+            ids.insert(0, self._bos_id)
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -156,7 +156,8 @@ def _gguf_tokenizer(reader, meta: dict, tokens: list[str]) -> Tokenizer:
     control = [i for i, ty in enumerate(types) if ty in (3, 4)]  # CONTROL, USER_DEFINED
     merges = reader.fields["tokenizer.ggml.merges"].contents()
     return Tokenizer.from_bpe(tokens, merges, control, meta.get("tokenizer.chat_template"),
-                              meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"))
+                              meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
+                              bool(meta.get("tokenizer.ggml.add_bos_token", False)))
 
 
 # ---------------------------------------------------------------- Hugging Face directory
@@ -214,5 +215,9 @@ def _hf_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer:
     tc_path = path / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
     token = lambda v: v.get("content") if isinstance(v, dict) else v  # noqa: E731
-    return Tokenizer(HFTokenizer.from_file(str(path / "tokenizer.json")), tc.get("chat_template"),
-                     token(tc.get("bos_token")), token(tc.get("eos_token")))
+    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    bos = token(tc.get("bos_token"))
+    # add_bos_token if the config says; else whether tokenizer.json's post-processor adds it
+    adds = bos is not None and tok.encode("a").ids[:1] == [tok.token_to_id(bos)]
+    return Tokenizer(tok, tc.get("chat_template"), bos, token(tc.get("eos_token")),
+                     bool(tc.get("add_bos_token", adds)))
