@@ -53,3 +53,15 @@ def test_bf16_int4_default_agrees_with_transformers_fp32(hf_model):
         top1 += (gap == 0).sum().item()
         total += len(chosen)
     assert top1 / total >= 0.9
+
+
+def test_incremental_detokenization_matches_full_decode():
+    tok = loader.load(None).tokenizer
+    text = "Café naïve — 🌊 waves, 12345 and 日本語 text.\n\nDone!"
+    ids = tok.encode(text)
+    out, offsets = "", (0, 0)
+    for n in range(1, len(ids) + 1):
+        delta, *offsets = tok.decode_step(ids[:n], *offsets)
+        assert "\ufffd" not in delta
+        out += delta
+    assert out == text == tok.decode(ids)

@@ -57,6 +57,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     output_text: str = ""
+    detok_offsets: tuple[int, int] = (0, 0)  # (prefix, read) offsets into output_token_ids
     generator: Any = None  # the request's torch.Generator, owned by the sampler
     num_preemptions: int = 0
     # speculation: drafts proposed for the next step, and what verification made of them

@@ -47,6 +47,19 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_step(self, ids: list[int], prefix_offset: int, read_offset: int) -> tuple[str, int, int]:
+        """Incremental detokenization: the text that ids[read_offset:] add, and the new offsets.
+
+        Decodes a short window from `prefix_offset` both with and without the new tokens and
+        returns the difference, so each step costs O(window), not O(output); text that ends in
+        an incomplete UTF-8 character is held back until the next token completes it.
+        """
+        prefix = self.decode(ids[prefix_offset:read_offset])
+        full = self.decode(ids[prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            return full[len(prefix):], read_offset, len(ids)
+        return "", prefix_offset, read_offset
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")

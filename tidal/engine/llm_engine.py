@@ -176,17 +176,21 @@ class LLMEngine:
         seq.output_token_ids.append(token)
         p = seq.params
         prev_len = len(seq.output_text)
-        seq.output_text = self.tokenizer.decode(seq.output_token_ids)
+        delta, *offsets = self.tokenizer.decode_step(seq.output_token_ids, *seq.detok_offsets)
+        seq.output_text += delta
+        seq.detok_offsets = tuple(offsets)
         reason = None
         if (not p.ignore_eos and token in self.model_config.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
+        if reason is None and len(seq.output_token_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is not None and seq.detok_offsets[1] < len(seq.output_token_ids):
+            seq.output_text = self.tokenizer.decode(seq.output_token_ids)  # flush held-back bytes
         for stop in p.stop:
             at = seq.output_text.find(stop, max(0, prev_len - len(stop) + 1))
             if at >= 0:
                 seq.output_text, reason = seq.output_text[:at], "stop"
                 break
-        if reason is None and len(seq.output_token_ids) >= p.max_tokens:
-            reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
             del self._requests[seq.request_id]
