@@ -12,15 +12,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or a HF Llama directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    p.add_argument("--speculative-method", default="none", choices=["none", "ngram"])
+    p.add_argument("--speculative-method", default="none", choices=["none", "ngram", "eagle3"])
     p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--draft-model", default=None, help="EAGLE-3 head directory (HF layout)")
 
 
 def _engine_kwargs(args) -> dict:
     from tidal.config import SpecConfig
 
     return dict(dtype=args.dtype, device=args.device,
-                spec=SpecConfig(args.speculative_method, args.num_speculative_tokens))
+                spec=SpecConfig(args.speculative_method, args.num_speculative_tokens,
+                                draft_model=args.draft_model))
 
 
 def _generate(args) -> int:

@@ -62,14 +62,17 @@ class SchedulerConfig:
 class SpecConfig:
     """Speculative decoding: which drafter, and how many draft tokens per step at most."""
 
-    method: str = "none"  # none | ngram
+    method: str = "none"  # none | ngram | eagle3
     num_speculative_tokens: int = 3
+    draft_model: str | None = None  # EAGLE-3 head directory
     ngram_min: int = 2
     ngram_max: int = 4
 
     def __post_init__(self):
-        if self.method not in ("none", "ngram"):
-            raise ValueError(f"speculative method {self.method!r} is not one of none, ngram")
+        if self.method not in ("none", "ngram", "eagle3"):
+            raise ValueError(f"speculative method {self.method!r} is not one of none, ngram, eagle3")
+        if self.method == "eagle3" and not self.draft_model:
+            raise ValueError("eagle3 needs --draft-model (no head is shipped for this model yet)")
         if not (0 if self.method == "none" else 1) <= self.num_speculative_tokens <= 15:
             raise ValueError("num_speculative_tokens must be in 1..15 (0 only with method none)")
         if not 1 <= self.ngram_min <= self.ngram_max:

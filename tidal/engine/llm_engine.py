@@ -16,6 +16,8 @@ from tidal.models import loader
 from tidal.models.llama import LlamaModel
 from tidal.sampling_params import InvalidParameter, SamplingParams
 from tidal.sequence import Sequence
+from tidal.models.eagle3 import load_eagle3
+from tidal.spec.eagle import Eagle3Drafter
 from tidal.spec.ngram import NgramDrafter
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,9 +54,16 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def make_drafter(spec: SpecConfig):
+def make_drafter(spec: SpecConfig, runner: ModelRunner):
     if spec.method == "ngram":
         return NgramDrafter(spec.ngram_min, spec.ngram_max)
+    if spec.method == "eagle3":
+        model = runner.model
+        head = load_eagle3(spec.draft_model, model.cfg, model.embed)
+        head.to(device=runner.device, dtype=runner.dtype)
+        drafter = Eagle3Drafter(head, runner)
+        runner.aux_layers = drafter.aux_layers
+        return drafter
     return None
 
 
@@ -77,7 +86,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, config.cache, self.device, self.dtype, config.seed)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.drafter = make_drafter(config.spec)
+        self.drafter = make_drafter(config.spec, self.runner)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
 
@@ -136,19 +145,24 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        gained = iter(self.runner.execute(out.scheduled))
+        results, features = self.runner.execute(out.scheduled)
+        gained = iter(results)
         outputs, decoding = [], []
+        offset = 0
         for s in out.scheduled:
             seq = s.seq
-            samples = s.samples
-            seq.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens
-            if not samples:
-                continue
-            tokens = next(gained)
+            fed = s.num_new_tokens - s.num_draft_tokens
+            seq.num_computed_tokens += fed
+            tokens = next(gained) if s.samples else []
             if s.num_draft_tokens:  # accepted drafts already have their KV written
                 seq.spec.record(s.num_draft_tokens, len(tokens) - 1)
                 seq.num_computed_tokens += len(tokens) - 1
                 seq.draft_token_ids, seq.draft_probs = [], None
+            if features is not None:  # the verified positions' features, for the draft head
+                self.drafter.observe(seq, features[offset:offset + fed + max(0, len(tokens) - 1)])
+            offset += s.num_new_tokens
+            if not s.samples:
+                continue
             for t in tokens:
                 self._append(seq, t)
                 if seq.is_finished:
@@ -165,6 +179,11 @@ class LLMEngine:
         the verifier's own token."""
         k = self.config.spec.num_speculative_tokens
         ks = [max(0, min(k, s.params.max_tokens - len(s.output_token_ids) - 1)) for s in seqs]
+        for i, seq in enumerate(seqs):  # slots for the drafts (the head writes KV there too)
+            while ks[i] and not self.block_manager.can_allocate(seq, seq.num_tokens + ks[i]):
+                ks[i] -= 1
+            if ks[i]:
+                self.block_manager.allocate(seq, seq.num_tokens + ks[i])
         if not any(ks):
             return
         drafts, probs = self.drafter.propose(seqs, ks)

@@ -37,6 +37,7 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device)) for _ in range(self.cfg.num_layers)]
         self._rng = np.random.default_rng(seed)
+        self.aux_layers: tuple[int, ...] = ()  # target layers whose outputs a drafter needs
 
     # ------------------------------------------------------------ step inputs
 
@@ -45,11 +46,11 @@ class ModelRunner:
         table = np.asarray(seq.block_table, dtype=np.int64)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _group(self, items: list[tuple[int, ScheduledSeq]]) -> AttentionGroup:
-        """items: (flat start offset, scheduled seq). Pads queries to Q and keys to K."""
-        q_lens = np.array([s.num_new_tokens for _, s in items])
-        computed = np.array([s.seq.num_computed_tokens for _, s in items])
-        starts = np.array([off for off, _ in items])
+    def _group(self, items: list[tuple[int, Sequence, int, int]]) -> AttentionGroup:
+        """items: (flat offset, seq, first position, tokens fed). Pads queries to Q, keys to K."""
+        q_lens = np.array([n for _, _, _, n in items])
+        computed = np.array([start for _, _, start, _ in items])
+        starts = np.array([off for off, _, _, _ in items])
         ctx = computed + q_lens
         Q, K = int(q_lens.max()), int(ctx.max())
         j = np.arange(Q)
@@ -59,40 +60,49 @@ class ModelRunner:
         p = np.arange(K)
         mask = (p[None, None] <= q_pos[:, :, None]) & (p[None, None] < ctx[:, None, None])
         kv_slots = np.zeros((len(items), K), dtype=np.int64)
-        for b, (_, s) in enumerate(items):
-            kv_slots[b, : ctx[b]] = self._slots(s.seq, 0, int(ctx[b]))
+        for b, (_, seq, _, _) in enumerate(items):
+            kv_slots[b, : ctx[b]] = self._slots(seq, 0, int(ctx[b]))
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
         return AttentionGroup(token_index=t(token_index), kv_slots=t(kv_slots), mask=t(mask[:, None]),
                               out_index=t(token_index[valid]), valid=t(valid.reshape(-1)))
 
-    def prepare(self, scheduled: list[ScheduledSeq]):
-        ids, positions, slots, short, groups = [], [], [], [], []
+    def metadata(self, spans: list[tuple[Sequence, int, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Positions and attention metadata for feeding each seq `n` tokens from position
+        `start`, the sequences laid out one after another. The EAGLE drafter uses it too, over
+        its own cache, which shares the target's block tables."""
+        positions, slots, short, groups = [], [], [], []
         offset = 0
-        for s in scheduled:
-            seq, n = s.seq, s.num_new_tokens
-            start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start:start + n - s.num_draft_tokens])
-            ids.extend(seq.draft_token_ids[: s.num_draft_tokens])
+        for seq, start, n in spans:
             positions.append(np.arange(start, start + n))
             slots.append(self._slots(seq, start, start + n))
             if n <= SHORT_QUERY_LEN:
-                short.append((offset, s))
+                short.append((offset, seq, start, n))
             else:
-                groups.append(self._group([(offset, s)]))
+                groups.append(self._group([(offset, seq, start, n)]))
             offset += n
         if short:
             groups.insert(0, self._group(short))
         t = lambda a: torch.from_numpy(np.concatenate(a)).to(self.device)  # noqa: E731
-        meta = AttentionMetadata(slot_mapping=t(slots), groups=groups)
-        return torch.tensor(ids, device=self.device), t(positions), meta
+        return t(positions), AttentionMetadata(slot_mapping=t(slots), groups=groups)
+
+    def prepare(self, scheduled: list[ScheduledSeq]):
+        ids = []
+        for s in scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            ids.extend(seq.token_ids[start:start + s.num_new_tokens - s.num_draft_tokens])
+            ids.extend(seq.draft_token_ids[: s.num_draft_tokens])
+        positions, meta = self.metadata([(s.seq, s.seq.num_computed_tokens, s.num_new_tokens) for s in scheduled])
+        return torch.tensor(ids, device=self.device), positions, meta
 
     # ------------------------------------------------------------ run
 
-    def execute(self, scheduled: list[ScheduledSeq]) -> list[list[int]]:
-        """Run one step. For each scheduled seq that samples, in order: the tokens it gains
-        (one sampled token, or its accepted drafts plus the verifier's next token)."""
+    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Run one step. Returns, for each scheduled seq that samples, in order, the tokens it
+        gains (one sampled token, or its accepted drafts plus the verifier's next token); and
+        the target features [T, 3 x hidden] of every fed token when `aux_layers` is set."""
         input_ids, positions, meta = self.prepare(scheduled)
-        hidden, _ = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden, aux = self.model(input_ids, positions, self.kv_caches, meta, self.aux_layers)
+        features = torch.cat(aux, dim=-1) if aux else None
         ends = np.cumsum([s.num_new_tokens for s in scheduled]) - 1
         rows, starts, sampling = [], [], []
         for end, s in zip(ends, scheduled):
@@ -101,7 +111,7 @@ class ModelRunner:
                 rows.extend(range(end - s.num_draft_tokens, end + 1))
                 sampling.append(s)
         if not sampling:
-            return []
+            return [], features
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         results: list[list[int]] = [[] for _ in sampling]
         plain = [i for i, s in enumerate(sampling) if not s.num_draft_tokens]
@@ -112,7 +122,7 @@ class ModelRunner:
         for i, s in enumerate(sampling):
             if s.num_draft_tokens:
                 results[i] = self.verify(logits[starts[i]:starts[i] + s.num_draft_tokens + 1], s)
-        return results
+        return results, features
 
     def verify(self, logits: torch.Tensor, s: ScheduledSeq) -> list[int]:
         seq, p = s.seq, s.seq.params

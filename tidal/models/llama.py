@@ -18,12 +18,15 @@ from tidal.layers.rotary import apply_rope, rope_cache
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Pre-norm attention + SwiGLU block. `attn_input_size` lets EAGLE-3's layer attend over
+    [normed embedding, normed feature] (2 x hidden) while keeping the hidden-size residual."""
+
+    def __init__(self, cfg: ModelConfig, attn_input_size: int | None = None):
         super().__init__()
         self.cfg = cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.input_norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.qkv_proj = nn.Parameter(torch.empty(q + 2 * kv, cfg.hidden_size))
+        self.qkv_proj = nn.Parameter(torch.empty(q + 2 * kv, attn_input_size or cfg.hidden_size))
         self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, q))
         self.post_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.gate_up_proj = nn.Parameter(torch.empty(2 * cfg.intermediate_size, cfg.hidden_size))
@@ -31,8 +34,11 @@ class DecoderLayer(nn.Module):
         self.int4: dict[str, Int4Weight] = {}  # optional packed 4-bit copies, by parameter name
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        return self.block(h, rms_norm(h, self.input_norm, self.cfg.rms_norm_eps), cos, sin, k_cache, v_cache, meta)
+
+    def block(self, h, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        """Attention over the normed input `x` added to the residual `h`, then the MLP."""
         cfg = self.cfg
-        x = rms_norm(h, self.input_norm, cfg.rms_norm_eps)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = linear(x, self.qkv_proj, self.int4.get("qkv_proj")).split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)

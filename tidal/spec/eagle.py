@@ -1,0 +1,91 @@
+"""EAGLE-3 drafting: catch the head's KV up on the target features it has not seen, then
+extend a chain of up to k draft tokens per request, one head forward per draft position.
+
+The head's KV cache has one slot per target slot and shares the target's block tables, so
+draft position p of a request lives where the target's position p does. Features of the
+target's verified tokens wait on the sequence (`draft_features`) until the next proposal, and
+the head runs over all of them then, in one ragged forward. A request that is not speculating
+(k = 0) is skipped: its features pile up and are caught up lazily, in that one forward, the
+next time it drafts, so a pause in speculation costs the head nothing while it lasts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.layers.sampler import draw, filter_logits
+from tidal.models.eagle3 import Eagle3Head
+from tidal.sequence import Sequence
+
+
+class Eagle3Drafter:
+    """Proposes with an EAGLE-3 head; needs the target's features at `aux_layers`."""
+
+    def __init__(self, head: Eagle3Head, runner):
+        self.head, self.runner = head, runner
+        c = head.cfg.layer
+        shape = (runner.num_blocks * runner.block_size, c.num_kv_heads, c.head_dim)
+        kv_dtype = runner.kv_caches[0][0].dtype
+        self.kv = (torch.zeros(shape, dtype=kv_dtype, device=runner.device),
+                   torch.zeros(shape, dtype=kv_dtype, device=runner.device))
+        self.aux_layers = head.cfg.target_output_layers
+
+    def observe(self, seq: Sequence, features: torch.Tensor) -> None:
+        """Features of the target's verified tokens this step, in position order."""
+        seq.draft_features.append(features)
+
+    def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]):
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list] = [[] for _ in seqs]
+        live = [i for i, k in enumerate(num_draft_tokens) if k > 0]
+        if live:
+            logits, out = self._catch_up([seqs[i] for i in live])
+            j = 0
+            while True:
+                for r, i in enumerate(live):
+                    token, q = self._choose(seqs[i], logits[r])
+                    drafts[i].append(token)
+                    probs[i].append(q)
+                j += 1
+                keep = [r for r, i in enumerate(live) if num_draft_tokens[i] > j]
+                if not keep:
+                    break
+                live = [live[r] for r in keep]
+                logits, out = self._extend([seqs[i] for i in live], [drafts[i][-1] for i in live], out[keep], j)
+        return drafts, [torch.stack(p) if p and p[0] is not None else None for p in probs]
+
+    def _catch_up(self, seqs: list[Sequence]):
+        """Run the head over every verified position it has not seen; returns the logits and
+        pre-norm outputs at each sequence's last position (which predict the first draft)."""
+        spans, ids, feats = [], [], []
+        for seq in seqs:
+            start, end = seq.draft_num_computed, seq.num_computed_tokens
+            spans.append((seq, start, end - start))
+            ids.extend(seq.token_ids[start + 1:end + 1])  # the head pairs feature p with token p + 1
+            feats.append(torch.cat(seq.draft_features))
+            seq.draft_features, seq.draft_num_computed = [], end
+        positions, meta = self.runner.metadata(spans)
+        features = self.head.fuse(torch.cat(feats))
+        logits, out = self.head(torch.tensor(ids, device=positions.device), features, positions, self.kv, meta)
+        last = torch.cumsum(torch.tensor([n for _, _, n in spans]), 0) - 1
+        return logits[last], out[last]
+
+    def _extend(self, seqs: list[Sequence], tokens: list[int], features: torch.Tensor, j: int):
+        """One chain step: feed draft j (at position num_computed + j - 1) with the previous output."""
+        spans = [(s, s.num_computed_tokens + j - 1, 1) for s in seqs]
+        positions, meta = self.runner.metadata(spans)
+        return self.head(torch.tensor(tokens, device=positions.device), features, positions, self.kv, meta)
+
+    def _choose(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """Greedy: the head's argmax. Sampling: a draw from the head's filtered distribution,
+        returned over the target vocabulary for the rejection sampler."""
+        p = seq.params
+        if p.greedy:
+            return int(self.head.to_target_ids(logits.argmax())), None
+        dev = logits.device
+        q = filter_logits(logits[None], torch.tensor([p.temperature], device=dev), torch.tensor([p.top_k], device=dev),
+                          torch.tensor([p.top_p], device=dev)).softmax(-1)[0]
+        d = draw(q, self.runner.generator(seq))
+        full = torch.zeros(self.head.cfg.layer.vocab_size, device=dev)
+        full[self.head.to_target_ids(torch.arange(q.shape[0], device=dev))] = q
+        return int(self.head.to_target_ids(d)), full
