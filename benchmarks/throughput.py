@@ -4,7 +4,8 @@ next to a roofline estimate.
     python benchmarks/throughput.py [--dtypes float32,bfloat16] [--output-tokens 64]
 
 Prints, per dtype: output tok/s at 1 request (requests one after another) and at N concurrent
-requests (transformers with static batching: one left-padded batch), with the ratio; then
+requests (transformers with static batching: one left-padded batch), with the ratio, the two
+engines taking turns request by request (batch by batch); then
 tidal's median decode step time at batch 1, 8, 32, 128 beside max(bytes / bandwidth,
 FLOPs / matmul rate) measured on this machine in the same run.
 """
@@ -60,9 +61,18 @@ def tidal_generate(llm, prompts, n_out):
     return len(prompts) * n_out / el
 
 
-def sequential(fn, prompts, n_out):
-    rates = [fn([p], n_out) for p in prompts]
-    return len(rates) / sum(1 / r for r in rates)  # total tokens / total time
+def interleaved(gens: dict, prompt_sets: list[list[list[int]]], n_out: int) -> dict:
+    """Total output tok/s of each engine over the prompt sets, the engines taking turns on
+    every set (rotating who goes first), so that drift in this machine's speed hits all alike."""
+    names = list(gens)
+    seconds = dict.fromkeys(names, 0.0)
+    tokens = dict.fromkeys(names, 0)
+    for i, prompts in enumerate(prompt_sets):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            rate = gens[name](prompts, n_out)
+            seconds[name] += len(prompts) * n_out / rate
+            tokens[name] += len(prompts) * n_out
+    return {name: tokens[name] / seconds[name] for name in names}
 
 
 def decode_step_ms(llm, batch, ctx=64, steps=24):
@@ -119,7 +129,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--output-tokens", type=int, default=64)
-    ap.add_argument("--single-requests", type=int, default=3)
+    ap.add_argument("--single-requests", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=2, help="batches at the high concurrency")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--step-batches", default="1,8,32,128")
     args = ap.parse_args()
@@ -136,13 +147,14 @@ def main():
         single = prompts[: args.single_requests]
         many = (prompts * (1 + args.concurrency // len(prompts)))[: args.concurrency]
         hf = load_hf(dtype)
-        for label, gen in ((TIDAL[name], lambda p, k: tidal_generate(llm, p, k)),
-                           (f"transformers {name}", lambda p, k: hf_generate(hf, p, k))):
+        gens = {TIDAL[name]: lambda p, k: tidal_generate(llm, p, k),
+                f"transformers {name}": lambda p, k: hf_generate(hf, p, k)}
+        for gen in gens.values():
             gen(single[:1], 4)  # warm-up
-            rates[label, 1] = sequential(gen, single, n)
-            rates[label, args.concurrency] = gen(many, n)
-            print(f"  {label}: {rates[label, 1]:.1f} tok/s at 1, {rates[label, args.concurrency]:.1f} "
-                  f"at {args.concurrency}", flush=True)
+        for conc, sets in ((1, [[p] for p in single]), (args.concurrency, [many] * args.repeats)):
+            for label, rate in interleaved(gens, sets, n).items():
+                rates[label, conc] = rate
+                print(f"  {label}: {rate:.1f} tok/s at {conc}", flush=True)
         del hf
         bw, flops = machine_rates(dtype)
         print(f"  measured {name}: copy bandwidth {bw / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s")
