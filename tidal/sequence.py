@@ -19,14 +19,18 @@ class SequenceStatus(enum.Enum):
 class SpecStats:
     """Per-request speculation statistics."""
 
-    num_drafted: int = 0
-    num_accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
 
+    @property
+    def num_drafted(self) -> int:
+        return sum(self.drafted_per_position)
+
+    @property
+    def num_accepted(self) -> int:
+        return sum(self.accepted_per_position)
+
     def record(self, num_drafted: int, num_accepted: int) -> None:
-        self.num_drafted += num_drafted
-        self.num_accepted += num_accepted
         for pos in range(num_drafted):
             if pos == len(self.drafted_per_position):
                 self.drafted_per_position.append(0)

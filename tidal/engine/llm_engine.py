@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +17,7 @@ from tidal.models.llama import LlamaModel
 from tidal.sampling_params import InvalidParameter, SamplingParams
 from tidal.sequence import Sequence
 from tidal.models.eagle3 import load_eagle3
+from tidal.spec.drafter import Drafter
 from tidal.spec.eagle import Eagle3Drafter
 from tidal.spec.ngram import NgramDrafter
 
@@ -54,7 +55,7 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def make_drafter(spec: SpecConfig, runner: ModelRunner):
+def make_drafter(spec: SpecConfig, runner: ModelRunner) -> Drafter | None:
     if spec.method == "ngram":
         return NgramDrafter(spec.ngram_min, spec.ngram_max)
     if spec.method == "eagle3":
@@ -180,8 +181,7 @@ class LLMEngine:
         k = self.config.spec.num_speculative_tokens
         ks = [max(0, min(k, s.params.max_tokens - len(s.output_token_ids) - 1)) for s in seqs]
         for i, seq in enumerate(seqs):  # slots for the drafts (the head writes KV there too)
-            while ks[i] and not self.block_manager.can_allocate(seq, seq.num_tokens + ks[i]):
-                ks[i] -= 1
+            ks[i] = self.block_manager.num_fitting(seq, seq.num_tokens, ks[i])
             if ks[i]:
                 self.block_manager.allocate(seq, seq.num_tokens + ks[i])
         if not any(ks):

@@ -78,9 +78,8 @@ class Scheduler:
         and the free blocks (a guess never preempts another request). Drops the rest."""
         keep = 0
         if n == seq.num_uncomputed_tokens == 1:
-            keep = min(len(seq.draft_token_ids), budget - n)
-            while keep and not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n + keep):
-                keep -= 1
+            keep = self.block_manager.num_fitting(seq, seq.num_computed_tokens + n,
+                                                  min(len(seq.draft_token_ids), budget - n))
         del seq.draft_token_ids[keep:]
         if seq.draft_probs is not None:
             seq.draft_probs = seq.draft_probs[:keep]
