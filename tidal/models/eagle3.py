@@ -109,13 +109,19 @@ class Eagle3Head(nn.Module):
     def forward(self, input_ids, features, positions, kv_cache: tuple, meta: AttentionMetadata):
         """features [T, hidden] (fused target features, or the head's previous output).
         Returns draft-vocab logits (float32) and the pre-norm output for the next step."""
-        c = self.cfg.layer
+        out = self.mid.block(features, self.inputs(input_ids, features), self.cos[positions],
+                             self.sin[positions], *kv_cache, meta)
+        return self.logits(out), out
+
+    def inputs(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The attention input [T, 2 x hidden]: [norm(embedding of token), norm(feature)]."""
+        eps = self.cfg.layer.rms_norm_eps
         emb = F.embedding(input_ids, self.embed).to(features.dtype)
-        x = torch.cat([rms_norm(emb, self.mid.input_norm, c.rms_norm_eps),
-                       rms_norm(features, self.hidden_norm, c.rms_norm_eps)], dim=-1)
-        out = self.mid.block(features, x, self.cos[positions], self.sin[positions], *kv_cache, meta)
-        logits = F.linear(rms_norm(out, self.norm, c.rms_norm_eps), self.lm_head).float()
-        return logits, out
+        return torch.cat([rms_norm(emb, self.mid.input_norm, eps), rms_norm(features, self.hidden_norm, eps)], dim=-1)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (float32) of the head's pre-norm output."""
+        return F.linear(rms_norm(out, self.norm, self.cfg.layer.rms_norm_eps), self.lm_head).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

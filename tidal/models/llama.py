@@ -38,15 +38,22 @@ class DecoderLayer(nn.Module):
 
     def block(self, h, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         """Attention over the normed input `x` added to the residual `h`, then the MLP."""
+        q, k, v = self.qkv(x, cos, sin)
+        return self.finish(h, paged_attention(q, k, v, k_cache, v_cache, meta, self.cfg.head_dim ** -0.5))
+
+    def qkv(self, x, cos, sin):
+        """Rotated queries [T, heads, D] and keys, values [T, kv_heads, D] of the normed input."""
         cfg = self.cfg
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = linear(x, self.qkv_proj, self.int4.get("qkv_proj")).split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim ** -0.5)
+        return q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+
+    def finish(self, h, attn):
+        """Residual add of the attention output [T, heads * D], then the MLP block."""
         h = h + linear(attn, self.o_proj, self.int4.get("o_proj"))
-        x = rms_norm(h, self.post_norm, cfg.rms_norm_eps)
+        x = rms_norm(h, self.post_norm, self.cfg.rms_norm_eps)
         gate, up = linear(x, self.gate_up_proj, self.int4.get("gate_up_proj")).chunk(2, dim=-1)
         return h + linear(F.silu(gate) * up, self.down_proj, self.int4.get("down_proj"))
 
