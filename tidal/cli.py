@@ -39,6 +39,27 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import os
+    from pathlib import Path
+
+    from tidal.config import EngineConfig, SchedulerConfig
+    from tidal.engine.llm_engine import LLMEngine
+    from tidal.models.loader import DEFAULT_MODEL_FILE
+    from tidal.server import build_app, serve
+
+    if args.max_waiting < 1 or args.shutdown_timeout < 0:
+        raise ValueError("--max-waiting must be >= 1 and --shutdown-timeout >= 0")
+    api_key = args.api_key or os.environ.get("TIDAL_API_KEY") or None
+    name = args.served_model_name or (args.model and Path(args.model).name) or DEFAULT_MODEL_FILE.split(".")[0]
+    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = LLMEngine(EngineConfig(**{"model": args.model, **_engine_kwargs(args), "scheduler": scheduler}))
+    app = build_app(engine, model_name=name, api_key=api_key, max_waiting=args.max_waiting)
+    serve(app, args.host, args.port, shutdown_grace_s=args.shutdown_timeout,
+          log_level=args.log_level, access_log=not args.no_access_log)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tidal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-chat", action="store_true", help="send the prompt as raw text")
     g.set_defaults(func=_generate)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $TIDAL_API_KEY)")
+    s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's file name)")
+    s.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one running batch")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one engine step")
+    s.add_argument("--max-waiting", type=int, default=1024, help="requests queued before the first token; beyond it: 503")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--no-access-log", action="store_true")
+    s.set_defaults(func=_serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
