@@ -60,6 +60,29 @@ def _serve(args) -> int:
     return 0
 
 
+def _train_drafter(args) -> int:
+    import json
+    from pathlib import Path
+
+    from tidal.train.eagle3 import train_drafter
+
+    prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else None
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "train_log.txt", "w") as f:
+        def log(line: str) -> None:
+            print(line, flush=True)
+            f.write(line + "\n")
+            f.flush()
+
+        log("tidal train-drafter " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                                               if k not in ("func", "command") and v is not None))
+        train_drafter(str(out), model=args.model, prompts=prompts, max_tokens=args.max_tokens,
+                      draft_vocab_size=args.draft_vocab_size, epochs=args.epochs, num_steps=args.num_steps,
+                      lr=args.lr, seed=args.seed, dtype=args.dtype, log=log)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tidal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", action="store_true")
     s.set_defaults(func=_serve)
+    t = sub.add_parser("train-drafter", help="self-distil an EAGLE-3 head for the target (CPU is fine)")
+    t.add_argument("--output", required=True, help="directory for config.json, model.safetensors, train_log.txt")
+    t.add_argument("--model", default=None, help="target: a .gguf file or a HF Llama directory (default: bundled)")
+    t.add_argument("--dtype", default="auto", choices=DTYPES, help="the target's dtype while it answers")
+    t.add_argument("--prompts", default=None, help="JSON list of prompts (default: the shipped training set)")
+    t.add_argument("--max-tokens", type=int, default=160, help="longest target answer per prompt")
+    t.add_argument("--draft-vocab-size", type=int, default=8192)
+    t.add_argument("--epochs", type=int, default=3)
+    t.add_argument("--num-steps", type=int, default=6, help="training-time-test steps (chain length trained)")
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(func=_train_drafter)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -15,3 +15,9 @@ def rewrite_prompts() -> list[str]:
     """Repetition-heavy tasks (repeat, rewrite, reformat a given passage), where the answer
     reuses much of the prompt (tidal/data/rewrite_prompts.json)."""
     return json.loads((resources.files("tidal.data") / "rewrite_prompts.json").read_text())
+
+
+def train_prompts() -> list[str]:
+    """Prompts for drafter self-distillation (tidal/data/train_prompts.json); none of them is in
+    the benchmark sets above, so those stay held out."""
+    return json.loads((resources.files("tidal.data") / "train_prompts.json").read_text())
