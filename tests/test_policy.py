@@ -1,0 +1,140 @@
+"""SpecPolicy and the cost models on synthetic costs: pure numbers, no model."""
+
+import random
+
+import pytest
+
+from tidal.spec.cost import DraftCostModel, StepCostModel
+from tidal.spec.policy import RequestView, SpecPolicy, parse_schedule, scheduled_k
+
+
+def memory_bound(tokens, seqs, context):  # weights dominate: extra tokens are nearly free
+    return 0.020 + 0.00002 * tokens
+
+
+def compute_bound(tokens, seqs, context):  # every token costs as much as a whole step's worth
+    return 0.001 + 0.002 * tokens
+
+
+def no_draft_cost(forwards, tokens, catch_up):
+    return 0.0
+
+
+def views(alphas_by_request, k=6, prev=None):
+    """Requests with `n` observed verifications at the given per-position acceptance."""
+    out = []
+    for i, a in enumerate(alphas_by_request):
+        n = 50.0
+        reached = [n] * k
+        out.append(RequestView(k, reached, [n * a] * k, prev_k=None if prev is None else prev[i]))
+    return out
+
+
+def test_memory_bound_costs_give_drafts_and_compute_bound_costs_give_none():
+    policy = SpecPolicy("adaptive", 6)
+    assert all(k > 0 for k in policy.choose(views([0.7] * 4), 4, 4, 400, memory_bound, no_draft_cost))
+    assert policy.choose(views([0.7] * 64), 64, 64, 6400, compute_bound, no_draft_cost) == [0] * 64
+
+
+def test_low_acceptance_gets_fewer_drafts_than_high_in_the_same_batch():
+    policy = SpecPolicy("adaptive", 6)
+
+    def moderate(tokens, seqs, context):  # each token costs 4% of a one-token step
+        return 0.010 + 0.0004 * tokens
+
+    ks = policy.choose(views([0.1, 0.8] * 4), 8, 8, 800, moderate, no_draft_cost)
+    low, high = ks[0::2], ks[1::2]
+    assert max(low) < min(high) and min(high) > 0
+
+
+def test_draft_cost_and_catch_up_are_charged():
+    policy = SpecPolicy("adaptive", 4)
+    cheap = policy.choose(views([0.6]), 1, 1, 100, memory_bound, no_draft_cost)
+    dear = policy.choose(views([0.6]), 1, 1, 100, memory_bound, lambda f, t, c: 0.05 * f)
+    assert cheap[0] > 0 and dear == [0]
+    r = views([0.6])
+    r[0].catch_up = 10_000
+    assert policy.choose(r, 1, 1, 100, memory_bound, lambda f, t, c: 0.0001 * c) == [0]
+
+
+def test_goodput_choice_is_the_best_allocation_by_brute_force():
+    policy = SpecPolicy("adaptive", 3)
+    reqs = views([0.9, 0.5, 0.2], k=3)
+    cost = lambda t, s, c: 0.01 + 0.001 * t + (0.004 if t > 5 else 0.0)  # noqa: E731  a kernel switch at 5
+    ks = policy.choose(reqs, 3, 3, 300, cost, no_draft_cost)
+    worths = [[0.9, 0.81, 0.729], [0.5, 0.25, 0.125], [0.2, 0.04, 0.008]]
+    best = max(((a, b, c) for a in range(4) for b in range(4) for c in range(4)),
+               key=lambda k: SpecPolicy.goodput(reqs, worths, list(k), 3, 3, 300, cost, no_draft_cost))
+    g = lambda k: SpecPolicy.goodput(reqs, worths, list(k), 3, 3, 300, cost, no_draft_cost)  # noqa: E731
+    assert g(ks) == pytest.approx(g(best), rel=0.02)
+
+
+def run_noisy(margin: float) -> tuple[int, list[int]]:
+    """300 steps near the break-even point, step times measured with +-20% noise; returns how
+    often the choice changed and the drafts per step."""
+    rng = random.Random(0)
+    model = StepCostModel(window=64)
+    policy = SpecPolicy("adaptive", 4, margin=margin)
+    true = lambda t, s, c: 0.010 + 0.002 * t  # noqa: E731  one draft each barely pays at 0.6
+    for t in (1, 2, 4, 8, 16, 32):
+        model.observe(t, 4, 400, true(t, 4, 400), anchor=True)
+    prev, changes, drafts = None, 0, []
+    for _ in range(300):
+        ks = policy.choose(views([0.6] * 4, k=4, prev=prev if margin else None), 4, 4, 400, model.predict, no_draft_cost)
+        changes += prev is not None and ks != prev
+        prev = ks
+        drafts.append(sum(ks))
+        tokens = 4 + sum(ks)
+        model.observe(tokens, 4, 400, true(tokens, 4, 400) * rng.uniform(0.8, 1.2))
+    return changes, drafts
+
+
+def test_noisy_step_times_do_not_make_k_flap():
+    with_hysteresis, drafts = run_noisy(0.03)
+    without, _ = run_noisy(0.0)
+    assert with_hysteresis <= 3 < without
+    assert len(set(drafts[-100:])) == 1  # settled
+
+
+def test_fixed_and_schedule_modes():
+    assert SpecPolicy("fixed", 4).choose(views([0.1, 0.9]), 2, 2, 0, compute_bound, no_draft_cost) == [4, 4]
+    reqs = views([0.5] * 6)
+    reqs[0].max_k = 1
+    assert SpecPolicy("schedule", 6, "1-4:4,5-16:2,17-:0").choose(reqs, 6, 6, 0, memory_bound, no_draft_cost) == [1] + [2] * 5
+    sched = parse_schedule("1-4:4, 5-16:2, 17-:0")
+    assert [scheduled_k(sched, n) for n in (1, 4, 5, 16, 17, 500)] == [4, 4, 2, 2, 0, 0]
+    for bad in ("4-1:2", "1-4:2,3-8:1", "a:1", "1-4", "17-:0,20-:1", "0-3:1", "1-2:-1"):
+        with pytest.raises(ValueError):
+            parse_schedule(bad)
+
+
+def test_acceptance_prior_tracks_what_the_engine_records():
+    policy = SpecPolicy("adaptive", 3, initial_acceptance=0.5)
+    for _ in range(200):
+        policy.record(3, 3)  # every draft accepted
+    assert all(p > 0.95 for p in policy.prior)
+    for _ in range(200):
+        policy.record(3, 0)  # first draft rejected: positions 2 and 3 never reached
+    assert policy.prior[0] < 0.05 and policy.prior[1] > 0.9
+
+
+def test_step_cost_model_fits_a_piecewise_cost_and_extrapolates():
+    model = StepCostModel(knots=(1, 2, 4, 8, 16, 17, 32, 64, 128))
+    true = lambda t, s, c: 0.01 + 0.0002 * t + (0.02 if t > 16 else 0.0) + 0.00001 * s + 1e-6 * c  # noqa: E731
+    rng = random.Random(1)
+    for _ in range(200):
+        t, s = rng.randint(1, 128), rng.randint(1, 32)
+        c = s * rng.randint(10, 200)
+        model.observe(t, s, c, true(t, s, c))
+    for t in (1, 3, 16, 17, 50, 128):
+        assert model.predict(t, 8, 800) == pytest.approx(true(t, 8, 800), rel=0.05)
+    assert model.predict(200, 8, 800) == pytest.approx(true(200, 8, 800), rel=0.1)  # past the last knot
+
+
+def test_draft_cost_model_fits_forwards_tokens_and_catch_up():
+    model = DraftCostModel()
+    true = lambda f, t, c: 0.001 + 0.003 * f + 0.0001 * t + 0.00002 * c  # noqa: E731
+    for f, t, c in [(1, 1, 0), (4, 4, 10), (2, 16, 100), (6, 60, 5), (3, 9, 400), (1, 32, 50)]:
+        model.observe(f, t, c, true(f, t, c))
+    assert model.predict(5, 20, 30) == pytest.approx(true(5, 20, 30), rel=1e-6)
+    assert model.predict(0, 0, 0) == 0.0

@@ -1,0 +1,109 @@
+"""Step-time models fitted online from the engine's own measured steps. Plain numbers only.
+
+Target step (prefill chunks, decode tokens and draft tokens to verify, one forward):
+    time = f(tokens) + c * sequences + d * context tokens
+where f is piecewise linear over knots in the token count. A straight line in tokens would miss
+what matters on real hardware: a step is nearly flat while weights dominate (memory bound) and
+grows once compute does, and a kernel switch makes a jump (tidal's CPU int4 path ends at 16
+tokens, so the engine adds knots at 16 and 17).
+
+Draft phase (one proposal for the batch):
+    time = e0 + e1 * head forwards + e2 * draft tokens + e3 * catch-up tokens
+
+Both are weighted least squares over a window of recent steps plus the start-up profile (kept as
+anchors where the live load has no samples), with a small smoothness penalty on f so it
+interpolates between knots and extrapolates linearly past the last measured one.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+import numpy as np
+
+DEFAULT_KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+class _LeastSquares:
+    """Weighted ridge least squares over anchors + a sliding window of samples, refitted lazily."""
+
+    def __init__(self, num_features: int, window: int, penalty: np.ndarray):
+        self.anchors: list[tuple[np.ndarray, float]] = []
+        self.samples: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        self.penalty = penalty
+        self.coef = np.zeros(num_features)
+        self._dirty = False
+
+    def add(self, x: np.ndarray, y: float, anchor: bool = False) -> None:
+        (self.anchors if anchor else self.samples).append((x, y))
+        self._dirty = True
+
+    def fit(self) -> np.ndarray:
+        if self._dirty and (self.anchors or self.samples):
+            rows = list(self.anchors) + list(self.samples)
+            X = np.array([r[0] for r in rows])
+            y = np.array([r[1] for r in rows])
+            A = X.T @ X + self.penalty
+            self.coef = np.linalg.solve(A + 1e-12 * np.eye(len(A)), X.T @ y)
+            self._dirty = False
+        return self.coef
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+
+class StepCostModel:
+    """Seconds for one target forward over `tokens` tokens of `seqs` sequences holding `context`
+    tokens of KV in all."""
+
+    def __init__(self, knots=DEFAULT_KNOTS, window: int = 256, smoothness: float = 1e-2):
+        self.knots = sorted(set(knots))
+        n = len(self.knots)
+        # second differences of f (per token, so knot spacing does not matter) should be small
+        D = np.zeros((max(0, n - 2), n + 2))
+        for i in range(n - 2):
+            h0, h1 = self.knots[i + 1] - self.knots[i], self.knots[i + 2] - self.knots[i + 1]
+            D[i, i], D[i, i + 1], D[i, i + 2] = 1 / h0, -(1 / h0 + 1 / h1), 1 / h1
+        self._fit = _LeastSquares(n + 2, window, smoothness * D.T @ D + 1e-9 * np.eye(n + 2))
+
+    def features(self, tokens: int, seqs: int, context: int) -> np.ndarray:
+        """Hat-function weights of `tokens` on the knots (linear past either end), then seqs, context."""
+        k = self.knots
+        x = np.zeros(len(k) + 2)
+        i = min(max(bisect.bisect_right(k, tokens) - 1, 0), len(k) - 2)
+        w = (tokens - k[i]) / (k[i + 1] - k[i])
+        x[i], x[i + 1] = 1 - w, w
+        x[-2], x[-1] = seqs, context
+        return x
+
+    def observe(self, tokens: int, seqs: int, context: int, seconds: float, anchor: bool = False) -> None:
+        self._fit.add(self.features(tokens, seqs, context), seconds, anchor)
+
+    def predict(self, tokens: int, seqs: int, context: int) -> float:
+        return float(self.features(tokens, seqs, context) @ self._fit.fit())
+
+    @property
+    def num_samples(self) -> int:
+        return self._fit.num_samples
+
+
+class DraftCostModel:
+    """Seconds for one proposal: `forwards` drafter calls in a chain over `tokens` draft tokens in
+    all, after catching the drafter up on `catch_up` skipped positions (EAGLE-3)."""
+
+    def __init__(self, window: int = 256):
+        self._fit = _LeastSquares(4, window, 1e-9 * np.eye(4))
+
+    @staticmethod
+    def features(forwards: int, tokens: int, catch_up: int) -> np.ndarray:
+        return np.array([1.0 if forwards else 0.0, forwards, tokens, catch_up])
+
+    def observe(self, forwards: int, tokens: int, catch_up: int, seconds: float, anchor: bool = False) -> None:
+        self._fit.add(self.features(forwards, tokens, catch_up), seconds, anchor)
+
+    def predict(self, forwards: int, tokens: int, catch_up: int) -> float:
+        if not forwards:
+            return 0.0
+        return max(0.0, float(self.features(forwards, tokens, catch_up) @ self._fit.fit()))

@@ -1,0 +1,155 @@
+"""SpecPolicy: how many draft tokens each request gets this step (0 = none). Plain numbers only.
+
+Adaptive mode maximises the step's goodput, expected emitted tokens per second:
+
+    goodput(k) = sum_i E_i(k_i) / (verify(tokens + sum k, seqs, context) + draft(max k, sum k, catch-up))
+
+where E_i(k) = 1 + sum_{j<=k} prod_{l<=j} a_il, a_il being request i's acceptance of draft
+position l given the ones before it were accepted: its own recent counts smoothed towards the
+engine-wide per-position rate (the prior a new request starts from). The j-th draft of request i
+is worth prod_{l<=j} a_il tokens, which never grows with j, so taking drafts in order of worth and
+keeping the best prefix finds the optimum over the two costs: requests that rarely accept lose
+their drafts first, and when a token costs more than the best draft is worth, everyone gets 0.
+A request that resumes drafting after a pause is charged its drafter catch-up.
+
+Hysteresis: the last step's choice is kept unless the new one is better by `margin`, so noise in
+measured step times or in acceptance does not make K flap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+MODES = ("fixed", "adaptive", "schedule")
+
+
+@dataclass
+class RequestView:
+    """What the policy sees of one request about to draft."""
+
+    max_k: int  # at most this many drafts (the configured K, and what the request may still emit)
+    reached: list[float]  # recency-weighted count of verifications that reached draft position l
+    accepted: list[float]  # ... and of those that accepted it
+    catch_up: int = 0  # positions the drafter must catch up on before drafting (EAGLE after a pause)
+    prev_k: int | None = None  # what it got last step
+
+
+def parse_schedule(text: str) -> list[tuple[int, int | None, int]]:
+    """'1-4:4,5-16:2,17-:0' -> [(1, 4, 4), (5, 16, 2), (17, None, 0)]: batch-size ranges and K."""
+    out: list[tuple[int, int | None, int]] = []
+    for part in text.replace(" ", "").split(","):
+        try:
+            rng, k = part.split(":")
+            lo, hi = rng.split("-") if "-" in rng else (rng, rng)
+            entry = (int(lo), int(hi) if hi else None, int(k))
+        except ValueError:
+            raise ValueError(f"bad speculation schedule entry {part!r}: want LO-HI:K, LO-:K or N:K") from None
+        if entry[0] < 1 or entry[2] < 0 or (entry[1] is not None and entry[1] < entry[0]):
+            raise ValueError(f"bad speculation schedule entry {part!r}")
+        if out and (out[-1][1] is None or entry[0] <= out[-1][1]):
+            raise ValueError("speculation schedule ranges must be increasing and not overlap")
+        out.append(entry)
+    return out
+
+
+def scheduled_k(schedule: list[tuple[int, int | None, int]], batch_size: int) -> int:
+    """K of the range holding `batch_size`; 0 outside every range."""
+    for lo, hi, k in schedule:
+        if lo <= batch_size and (hi is None or batch_size <= hi):
+            return k
+    return 0
+
+
+def acceptance_curve(reached: list[float], accepted: list[float], prior: list[float], weight: float) -> list[float]:
+    """Per-position conditional acceptance, the request's counts smoothed towards `prior`."""
+    return [(accepted[l] + weight * p if l < len(reached) else weight * p)
+            / ((reached[l] if l < len(reached) else 0.0) + weight) for l, p in enumerate(prior)]
+
+
+def draft_worths(alphas: list[float], k: int) -> list[float]:
+    """Expected tokens the j-th draft adds, j = 1..k: prod_{l<=j} alpha_l (non-increasing)."""
+    out, w = [], 1.0
+    for a in alphas[:k]:
+        w *= a
+        out.append(w)
+    return out
+
+
+VerifyCost = Callable[[int, int, int], float]  # (tokens, seqs, context) -> seconds
+DraftCost = Callable[[int, int, int], float]  # (forwards, draft tokens, catch-up tokens) -> seconds
+
+
+class SpecPolicy:
+    """Chooses draft lengths per request each step: fixed K, a batch-size schedule, or adaptive."""
+
+    def __init__(self, mode: str, max_k: int, schedule: str | None = None, margin: float = 0.03,
+                 prior_weight: float = 2.0, decay: float = 0.98, initial_acceptance: float = 0.5):
+        if mode not in MODES:
+            raise ValueError(f"speculation mode {mode!r} is not one of {', '.join(MODES)}")
+        self.mode, self.max_k, self.margin, self.prior_weight, self.decay = mode, max_k, margin, prior_weight, decay
+        self.schedule = parse_schedule(schedule) if schedule else []
+        if mode == "schedule" and not self.schedule:
+            raise ValueError("schedule mode needs a schedule")
+        # engine-wide recency-weighted counts per draft position: the prior of every request
+        self._reached = [1.0] * max_k
+        self._accepted = [initial_acceptance] * max_k
+
+    @property
+    def prior(self) -> list[float]:
+        return [a / r for a, r in zip(self._accepted, self._reached)]
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        """One verification anywhere in the engine: positions 1..num_accepted + 1 were reached."""
+        for l in range(min(num_drafted, num_accepted + 1)):
+            self._reached[l] = self.decay * self._reached[l] + 1
+            self._accepted[l] = self.decay * self._accepted[l] + (l < num_accepted)
+
+    def choose(self, requests: list[RequestView], base_tokens: int, seqs: int, context: int,
+               verify_cost: VerifyCost, draft_cost: DraftCost) -> list[int]:
+        """Draft lengths for `requests` (the decoding ones) in a step that also feeds
+        `base_tokens` non-draft tokens over `seqs` sequences holding `context` KV tokens."""
+        if self.mode == "fixed":
+            return [min(self.max_k, r.max_k) for r in requests]
+        if self.mode == "schedule":
+            k = scheduled_k(self.schedule, len(requests))
+            return [min(k, r.max_k) for r in requests]
+        worths = [draft_worths(acceptance_curve(r.reached, r.accepted, self.prior, self.prior_weight),
+                               min(self.max_k, r.max_k)) for r in requests]
+        best = self.plan(requests, worths, base_tokens, seqs, context, verify_cost, draft_cost)
+        if all(r.prev_k is None for r in requests):
+            return best
+        stay = [min(r.max_k, self.max_k, best[i] if r.prev_k is None else r.prev_k) for i, r in enumerate(requests)]
+        g = lambda ks: self.goodput(requests, worths, ks, base_tokens, seqs, context, verify_cost, draft_cost)  # noqa: E731
+        return best if g(best) > (1 + self.margin) * g(stay) else stay
+
+    @staticmethod
+    def goodput(requests, worths, ks, base_tokens, seqs, context, verify_cost, draft_cost) -> float:
+        """Expected emitted tokens per second of a step with draft lengths `ks`."""
+        total = sum(ks)
+        emitted = len(requests) + sum(sum(w[:k]) for w, k in zip(worths, ks))
+        catch_up = sum(r.catch_up for r, k in zip(requests, ks) if k)
+        seconds = verify_cost(base_tokens + total, seqs, context + total) + draft_cost(max(ks, default=0), total, catch_up)
+        return emitted / max(seconds, 1e-9)
+
+    @staticmethod
+    def plan(requests, worths, base_tokens, seqs, context, verify_cost, draft_cost) -> list[int]:
+        """The goodput-best allocation among prefixes of all drafts sorted by worth."""
+        order = sorted(((w, i) for i, ws in enumerate(worths) for w in ws), key=lambda x: -x[0])
+        ks = [0] * len(requests)
+        emitted, total, longest, catch_up = float(len(requests)), 0, 0, 0
+        best_rate = emitted / max(verify_cost(base_tokens, seqs, context), 1e-9)
+        best_m = 0
+        for m, (w, i) in enumerate(order, 1):
+            if not ks[i]:
+                catch_up += requests[i].catch_up
+            ks[i] += 1
+            emitted, total, longest = emitted + w, total + 1, max(longest, ks[i])
+            rate = emitted / max(verify_cost(base_tokens + total, seqs, context + total)
+                                 + draft_cost(longest, total, catch_up), 1e-9)
+            if rate > best_rate:
+                best_rate, best_m = rate, m
+        ks = [0] * len(requests)
+        for _, i in order[:best_m]:
+            ks[i] += 1
+        return ks
