@@ -60,23 +60,36 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding: which drafter, and how many draft tokens per step at most."""
+    """Speculative decoding: which drafter, and how many draft tokens per request each step.
+
+    mode "fixed": every decoding request gets `num_speculative_tokens`; "adaptive": the policy
+    chooses 0..num_speculative_tokens per request per step from measured acceptance and step
+    cost; "schedule": K by running batch size from `schedule`, e.g. "1-4:4,5-16:2,17-:0".
+    """
 
     method: str = "none"  # none | ngram | eagle3
     num_speculative_tokens: int = 3
-    draft_model: str | None = None  # EAGLE-3 head directory
+    draft_model: str | None = None  # EAGLE-3 head directory; None: the head shipped for the bundled model
     ngram_min: int = 2
     ngram_max: int = 4
+    mode: str = "fixed"
+    schedule: str | None = None
 
     def __post_init__(self):
+        from tidal.spec.policy import MODES, parse_schedule
+
         if self.method not in ("none", "ngram", "eagle3"):
             raise ValueError(f"speculative method {self.method!r} is not one of none, ngram, eagle3")
-        if self.method == "eagle3" and not self.draft_model:
-            raise ValueError("eagle3 needs --draft-model (no head is shipped for this model yet)")
         if not (0 if self.method == "none" else 1) <= self.num_speculative_tokens <= 15:
             raise ValueError("num_speculative_tokens must be in 1..15 (0 only with method none)")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if self.mode not in MODES:
+            raise ValueError(f"speculation mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if (self.mode == "schedule") != (self.schedule is not None):
+            raise ValueError("a speculation schedule goes with mode 'schedule', and only with it")
+        if self.schedule is not None:
+            parse_schedule(self.schedule)
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,19 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+RECENT_DECAY = 0.9  # weight of a verification ten steps back ~ 1/3: the estimate follows the text
+
+
 @dataclass
 class SpecStats:
-    """Per-request speculation statistics."""
+    """Per-request speculation statistics: totals per draft position, and recency-weighted
+    counts of verifications that reached / accepted each position (what the policy reads)."""
 
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    recent_reached: list[float] = field(default_factory=list)
+    recent_accepted: list[float] = field(default_factory=list)
+    chosen_k: int | None = None  # the policy's last choice for this request
 
     @property
     def num_drafted(self) -> int:
@@ -35,8 +42,13 @@ class SpecStats:
             if pos == len(self.drafted_per_position):
                 self.drafted_per_position.append(0)
                 self.accepted_per_position.append(0)
+                self.recent_reached.append(0.0)
+                self.recent_accepted.append(0.0)
             self.drafted_per_position[pos] += 1
             self.accepted_per_position[pos] += pos < num_accepted
+            if pos <= num_accepted:  # a position after the first rejection was never tested
+                self.recent_reached[pos] = RECENT_DECAY * self.recent_reached[pos] + 1
+                self.recent_accepted[pos] = RECENT_DECAY * self.recent_accepted[pos] + (pos < num_accepted)
 
     @property
     def acceptance_rate(self) -> float:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -12,14 +13,20 @@ from tidal.config import EngineConfig, SpecConfig
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.scheduler import Scheduler
+from tidal.layers.linear import INT4_MAX_TOKENS
 from tidal.models import loader
 from tidal.models.llama import LlamaModel
 from tidal.sampling_params import InvalidParameter, SamplingParams
-from tidal.sequence import Sequence
+from tidal.sequence import Sequence, SpecStats
 from tidal.models.eagle3 import load_eagle3
 from tidal.spec.drafter import Drafter
 from tidal.spec.eagle import Eagle3Drafter
+from tidal.spec.cost import DEFAULT_KNOTS, DraftCostModel, StepCostModel
 from tidal.spec.ngram import NgramDrafter
+from tidal.spec.policy import RequestView, SpecPolicy, parse_schedule
+
+# The EAGLE-3 head trained for the bundled model by `tidal train-drafter` (see its train_log.txt).
+DEFAULT_EAGLE3_HEAD = Path(__file__).resolve().parent.parent / "data" / "eagle3-smollm2-135m"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,6 +41,19 @@ class RequestOutput:
     text: str
     finished: bool
     finish_reason: str | None
+
+
+@dataclass
+class StepStats:
+    """What one engine step did, for metrics and for checking the cost model."""
+
+    num_tokens: int = 0  # fed to the target, drafts included
+    num_seqs: int = 0
+    seconds: float = 0.0  # measured target forward, verification and sampling
+    predicted_seconds: float | None = None  # the cost model's forecast, made when drafts were chosen
+    draft_seconds: float = 0.0  # the drafter's proposal at the end of this step
+    chosen_k: list[int] = field(default_factory=list)  # draft lengths for the next step, per decoding request
+    spec: SpecStats = field(default_factory=SpecStats)  # the verifications of this step
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -55,12 +75,14 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def make_drafter(spec: SpecConfig, runner: ModelRunner) -> Drafter | None:
+def make_drafter(spec: SpecConfig, runner: ModelRunner, target: str | None) -> Drafter | None:
     if spec.method == "ngram":
         return NgramDrafter(spec.ngram_min, spec.ngram_max)
     if spec.method == "eagle3":
+        if spec.draft_model is None and target is not None:
+            raise ValueError("eagle3 needs --draft-model for a model other than the bundled one")
         model = runner.model
-        head = load_eagle3(spec.draft_model, model.cfg, model.embed)
+        head = load_eagle3(spec.draft_model or DEFAULT_EAGLE3_HEAD, model.cfg, model.embed)
         head.to(device=runner.device, dtype=runner.dtype)
         drafter = Eagle3Drafter(head, runner)
         runner.aux_layers = drafter.aux_layers
@@ -87,9 +109,19 @@ class LLMEngine:
         self.runner = ModelRunner(model, config.cache, self.device, self.dtype, config.seed)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.drafter = make_drafter(config.spec, self.runner)
+        self.drafter = make_drafter(config.spec, self.runner, config.model)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        int4 = any(layer.int4 for layer in model.layers)
+        self.step_cost = StepCostModel(DEFAULT_KNOTS + ((INT4_MAX_TOKENS, INT4_MAX_TOKENS + 1) if int4 else ()))
+        self.draft_cost = DraftCostModel()
+        self.last_step_stats = StepStats()
+        self.k_histogram: dict[int, int] = {}  # how often each draft length was chosen, all steps
+        self.policy = self._make_policy() if self.drafter is not None else None
+        self._profiling = False
+        self._predicted: float | None = None  # the step time the policy expected for the next step
+        if self.policy is not None and self.policy.mode == "adaptive":
+            self.profile()
 
     # ------------------------------------------------------------ requests
 
@@ -146,7 +178,15 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        results, features = self.runner.execute(out.scheduled)
+        stats = StepStats(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled),
+                          predicted_seconds=self._predicted)
+        self._predicted = None
+        start = time.perf_counter()
+        results, features = self.runner.execute(out.scheduled)  # ends in a device sync (.tolist())
+        stats.seconds = time.perf_counter() - start
+        context = sum(s.seq.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
+        self.step_cost.observe(stats.num_tokens, stats.num_seqs, context, stats.seconds, anchor=self._profiling)
+        self.last_step_stats = stats
         gained = iter(results)
         outputs, decoding = [], []
         offset = 0
@@ -157,6 +197,8 @@ class LLMEngine:
             tokens = next(gained) if s.samples else []
             if s.num_draft_tokens:  # accepted drafts already have their KV written
                 seq.spec.record(s.num_draft_tokens, len(tokens) - 1)
+                self.policy.record(s.num_draft_tokens, len(tokens) - 1)
+                stats.spec.record(s.num_draft_tokens, len(tokens) - 1)
                 seq.num_computed_tokens += len(tokens) - 1
                 seq.draft_token_ids, seq.draft_probs = [], None
             if features is not None:  # the verified positions' features, for the draft head
@@ -171,25 +213,78 @@ class LLMEngine:
             outputs.append(self._output(seq))
             if not seq.is_finished:
                 decoding.append(seq)
-        if self.drafter is not None and decoding:
+        if self.policy is not None and decoding:
             self._propose(decoding)
         return outputs
 
     def _propose(self, seqs: list[Sequence]) -> None:
-        """Drafts for the next step; never more than the request may still emit, less one for
-        the verifier's own token."""
-        k = self.config.spec.num_speculative_tokens
-        ks = [max(0, min(k, s.params.max_tokens - len(s.output_token_ids) - 1)) for s in seqs]
+        """Drafts for the next step, as many per request as the policy chooses; never more than
+        the request may still emit, less one for the verifier's own token."""
+        caps = [max(0, min(self.policy.max_k, s.params.max_tokens - len(s.output_token_ids) - 1)) for s in seqs]
+        ks = self._choose_k(seqs, caps)
+        stats = self.last_step_stats
+        stats.chosen_k = ks
+        for k in ks:
+            self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
         for i, seq in enumerate(seqs):  # slots for the drafts (the head writes KV there too)
+            seq.spec.chosen_k = ks[i]
             ks[i] = self.block_manager.num_fitting(seq, seq.num_tokens, ks[i])
             if ks[i]:
                 self.block_manager.allocate(seq, seq.num_tokens + ks[i])
         if not any(ks):
-            return
+            return  # speculation off this step: no drafter call at all
+        catch_up = sum(self.drafter.catch_up(s) for s, k in zip(seqs, ks) if k)
+        start = time.perf_counter()
         drafts, probs = self.drafter.propose(seqs, ks)
+        stats.draft_seconds = time.perf_counter() - start
+        self.draft_cost.observe(max(ks), sum(ks), catch_up, stats.draft_seconds, anchor=self._profiling)
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
             seq.draft_token_ids = list(draft)
             seq.draft_probs = None if probs is None else probs[i]
+
+    def _choose_k(self, seqs: list[Sequence], caps: list[int]) -> list[int]:
+        """The policy's draft lengths, given the step the scheduler is about to build: the
+        decoding requests' one token each plus the prefill it will feed next."""
+        sched, running = self.scheduler, self.scheduler.running
+        decoding = set(map(id, seqs))
+        pending = sum(s.num_uncomputed_tokens for s in running if id(s) not in decoding)
+        pending += sum(s.num_uncomputed_tokens for s in sched.waiting[: max(0, sched.config.max_num_seqs - len(running))])
+        base = min(len(seqs) + pending, sched.config.max_num_batched_tokens)
+        context = sum(s.num_tokens for s in running)
+        views = [RequestView(cap, s.spec.recent_reached, s.spec.recent_accepted, self.drafter.catch_up(s), s.spec.chosen_k)
+                 for s, cap in zip(seqs, caps)]
+        ks = self.policy.choose(views, base, len(running), context, self.step_cost.predict, self.draft_cost.predict)
+        self._predicted = self.step_cost.predict(base + sum(ks), len(running), context + sum(ks))
+        return ks
+
+    def _make_policy(self) -> SpecPolicy:
+        spec = self.config.spec
+        max_k = max(k for *_, k in parse_schedule(spec.schedule)) if spec.schedule else spec.num_speculative_tokens
+        return SpecPolicy(spec.mode, max_k, spec.schedule)
+
+    def profile(self, prompt_len: int = 48, max_tokens: int = 6) -> None:
+        """Seed the cost models with real steps over dummy requests at a few batch sizes and
+        draft lengths (a few seconds at start-up); they stay in the fits as anchors where the live
+        load has no samples. The policy's acceptance prior is left as it was."""
+        policy = self.policy
+        greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        prompt = [(7 * i) % 97 + 3 for i in range(8)] * (prompt_len // 8)  # repeats, so n-gram drafts too
+        self._profiling = True
+        try:
+            for n in (1, 4, 16, 64):
+                for k in (0, 2, 4):
+                    if n * (prompt_len + max_tokens + k) > self.block_manager.num_blocks * self.block_manager.block_size // 2:
+                        continue
+                    self.policy = SpecPolicy("fixed", k) if k else None
+                    ids = [f"profile-{n}-{k}-{i}" for i in range(n)]
+                    for rid in ids:
+                        self.add_request(rid, prompt, greedy)
+                    while any(rid in self._requests for rid in ids):
+                        self.step()
+        finally:
+            self.policy, self._profiling = policy, False
+            self.last_step_stats = StepStats()
+            self.k_histogram.clear()
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_token_ids.append(token)

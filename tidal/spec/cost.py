@@ -32,20 +32,22 @@ class _LeastSquares:
         self.anchors: list[tuple[np.ndarray, float]] = []
         self.samples: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self.penalty = penalty
-        self.coef = np.zeros(num_features)
+        self.coef = [0.0] * num_features  # a plain list: cheap to index from Python
+        self.floor = 0.0  # the smallest target seen, as of the last fit
         self._dirty = False
 
     def add(self, x: np.ndarray, y: float, anchor: bool = False) -> None:
         (self.anchors if anchor else self.samples).append((x, y))
         self._dirty = True
 
-    def fit(self) -> np.ndarray:
+    def fit(self) -> list[float]:
         if self._dirty and (self.anchors or self.samples):
             rows = list(self.anchors) + list(self.samples)
             X = np.array([r[0] for r in rows])
             y = np.array([r[1] for r in rows])
             A = X.T @ X + self.penalty
-            self.coef = np.linalg.solve(A + 1e-12 * np.eye(len(A)), X.T @ y)
+            self.coef = np.linalg.solve(A + 1e-12 * np.eye(len(A)), X.T @ y).tolist()
+            self.floor = float(y.min())
             self._dirty = False
         return self.coef
 
@@ -58,7 +60,7 @@ class StepCostModel:
     """Seconds for one target forward over `tokens` tokens of `seqs` sequences holding `context`
     tokens of KV in all."""
 
-    def __init__(self, knots=DEFAULT_KNOTS, window: int = 256, smoothness: float = 1e-2):
+    def __init__(self, knots=DEFAULT_KNOTS, window: int = 256, smoothness: float = 1.0):
         self.knots = sorted(set(knots))
         n = len(self.knots)
         # second differences of f (per token, so knot spacing does not matter) should be small
@@ -82,7 +84,11 @@ class StepCostModel:
         self._fit.add(self.features(tokens, seqs, context), seconds, anchor)
 
     def predict(self, tokens: int, seqs: int, context: int) -> float:
-        return float(self.features(tokens, seqs, context) @ self._fit.fit())
+        coef, k = self._fit.fit(), self.knots  # plain arithmetic: the policy calls this per candidate
+        i = min(max(bisect.bisect_right(k, tokens) - 1, 0), len(k) - 2)
+        w = (tokens - k[i]) / (k[i + 1] - k[i])
+        value = (1 - w) * coef[i] + w * coef[i + 1] + coef[-2] * seqs + coef[-1] * context
+        return max(value, self._fit.floor)  # no step is faster than the fastest one measured
 
     @property
     def num_samples(self) -> int:
@@ -106,4 +112,5 @@ class DraftCostModel:
     def predict(self, forwards: int, tokens: int, catch_up: int) -> float:
         if not forwards:
             return 0.0
-        return max(0.0, float(self.features(forwards, tokens, catch_up) @ self._fit.fit()))
+        e0, e1, e2, e3 = self._fit.fit()
+        return max(0.0, e0 + e1 * forwards + e2 * tokens + e3 * catch_up)

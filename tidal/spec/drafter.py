@@ -17,3 +17,8 @@ class Drafter(Protocol):
 
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> tuple[list[list[int]], list | None]:
         ...
+
+    def catch_up(self, seq: Sequence) -> int:
+        """Positions the drafter must process before it can draft for `seq` (EAGLE-3 after a
+        pause in speculation); the policy charges them to the step."""
+        ...

@@ -34,6 +34,10 @@ class Eagle3Drafter:
         """Features of the target's verified tokens this step, in position order."""
         seq.draft_features.append(features)
 
+    def catch_up(self, seq: Sequence) -> int:
+        """Verified positions whose features wait for the head (all of them after a pause)."""
+        return seq.num_computed_tokens - seq.draft_num_computed
+
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]):
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list] = [[] for _ in seqs]

@@ -27,6 +27,9 @@ class NgramDrafter:
     def __init__(self, min_n: int = 2, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
 
+    def catch_up(self, seq: Sequence) -> int:
+        return 0  # stateless: nothing falls behind while a request does not draft
+
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]):
         drafts = [ngram_propose(s.token_ids, k, self.min_n, self.max_n) if k > 0 else []
                   for s, k in zip(seqs, num_draft_tokens)]

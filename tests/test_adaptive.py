@@ -1,0 +1,55 @@
+"""Adaptive speculation inside the engine (tiny model): lossless, measured, and off is off."""
+
+import pytest
+
+from tidal import SamplingParams
+from tidal.config import CacheConfig, SpecConfig
+from tidal.engine.llm_engine import LLM
+from tests.test_spec import REPEAT, repetitive_prompts
+
+
+def engine(path, **spec):
+    return LLM(str(path), dtype="float32", spec=SpecConfig(method="ngram", num_speculative_tokens=4, **spec),
+               cache=CacheConfig(block_size=4, num_blocks=512)).engine
+
+
+def run(eng, prompts, params=None):
+    params = params or [REPEAT] * len(prompts)
+    seqs = [eng.add_request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    steps = []
+    while eng.has_unfinished():
+        eng.step()
+        steps.append(eng.last_step_stats)
+    return [s.output_token_ids for s in seqs], steps
+
+
+def test_adaptive_is_lossless_and_reports_its_choices(tiny_model_dir):
+    ps = repetitive_prompts(8)
+    plain, _ = run(LLM(str(tiny_model_dir), dtype="float32").engine, ps)
+    eng = engine(tiny_model_dir, mode="adaptive")
+    assert eng.step_cost.predict(1, 1, 50) > 0  # seeded by the start-up profile
+    outs, steps = run(eng, ps)
+    assert outs == plain
+    assert sum(eng.k_histogram.values()) > 0 and set(eng.k_histogram) <= set(range(5))
+    predicted = [(s.predicted_seconds, s.seconds) for s in steps if s.predicted_seconds is not None]
+    assert len(predicted) > 5 and all(p > 0 for p, _ in predicted)
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_policy_zero_skips_the_drafter(tiny_model_dir, monkeypatch):
+    """A step where the policy gives every request 0 drafts makes no drafter call at all."""
+    eng = engine(tiny_model_dir, mode="schedule", schedule="1-2:3,3-:0")
+    calls = []
+    real = eng.drafter.propose
+    monkeypatch.setattr(eng.drafter, "propose", lambda seqs, ks: calls.append(ks) or real(seqs, ks))
+    lengths = [SamplingParams(max_tokens=6 + 6 * i, temperature=0, ignore_eos=True) for i in range(6)]
+    run(eng, repetitive_prompts(6), lengths)  # 6 decoding at once: K = 0 until only 1-2 remain
+    assert calls and all(len(ks) <= 2 for ks in calls)
+    assert eng.k_histogram[0] > 0 and eng.k_histogram.get(3, 0) > 0
+
+
+def test_bad_speculation_config_is_rejected():
+    for bad in (dict(mode="sometimes"), dict(mode="schedule"), dict(schedule="1-4:2"),
+                dict(mode="schedule", schedule="4-1:2")):
+        with pytest.raises(ValueError):
+            SpecConfig(method="ngram", **bad)
