@@ -232,6 +232,9 @@ class _Generation:
             raise APIError(400, str(e)) from e
         except EngineDead as e:
             raise APIError(503, str(e), "server_error", code="unavailable") from e
+        except Exception as e:  # the engine refused it for a reason of its own
+            raise APIError(500, f"the engine could not take the request: {type(e).__name__}: {e}",
+                           "server_error") from e
         except BaseException:  # cancelled while queued: the engine must drop it
             aengine.abort(stream)
             raise

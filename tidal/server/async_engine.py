@@ -203,7 +203,7 @@ class AsyncEngine:
                 return
             try:
                 seq = self.engine.add_request(stream.request_id, cmd.prompt_token_ids, cmd.params)
-            except ValueError as e:  # InvalidParameter and the like: the client's fault
+            except Exception as e:  # noqa: BLE001 -- refuses this request only (ValueError: a 400)
                 batch.append((stream, e))
                 return
             self._tracked[stream.request_id] = _Tracked(stream, seq)

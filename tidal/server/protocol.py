@@ -58,7 +58,8 @@ class _SamplingRequest(_Strict):
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
+            # a top_k past any vocabulary keeps every token; as given it could overflow int64
+            top_k=-1 if self.top_k is None or self.top_k >= 2**31 else self.top_k,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos)
 
