@@ -57,10 +57,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _validation(_, e: RequestValidationError):  # FastAPI's 422, as OpenAI's 400
         errors = e.errors()
         first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        where = ".".join(loc) or None
-        msg = first.get("msg", "invalid request")
-        message = f"{where}: {msg}" if where else msg
+        loc = [str(x) for x in first.get("loc", ())][1:]  # after "body"
+        where = loc[0] if loc else None  # OpenAI names the top-level field; the message has the path
+        msg = first.get("msg", "invalid request").removeprefix("Value error, ")
+        message = f"{'.'.join(loc)}: {msg}" if loc else msg
         if first.get("type") == "json_invalid":
             message, where = f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", None
         return error_response(400, message, param=where)
@@ -285,8 +285,8 @@ class _Generation:
                     self.aengine.abort(stream)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _AbortingStream(self.aengine, stream, body(), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _completion_chunks(self, rid: str, stream: RequestStream, params: SamplingParams,
                                  include_usage: bool) -> AsyncIterator[dict]:
@@ -316,6 +316,22 @@ class _Generation:
                 yield chunk({}, out.finish_reason)
         if include_usage:
             yield {**head, "choices": [], "usage": _usage(out).model_dump()}
+
+
+class _AbortingStream(StreamingResponse):
+    """A streaming response that aborts its request however it ends, even when the client left
+    before the body generator first ran (and so before its own `finally` could)."""
+
+    def __init__(self, aengine: AsyncEngine, stream: RequestStream, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._aengine, self._stream = aengine, stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._stream.done:
+                self._aengine.abort(self._stream)
 
 
 async def _text_deltas(stream: RequestStream, params: SamplingParams):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from tidal.sampling_params import InvalidParameter, SamplingParams
 
@@ -68,19 +68,31 @@ class _SamplingRequest(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingRequest):
-    """POST /v1/completions. One prompt: a string or a list of token ids."""
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions. One prompt: a string or a list of token ids (or a list of one)."""
+
+    prompt: (Annotated[str, Field(min_length=1)] | TokenIds
+             | Annotated[list[str], Field(min_length=1, max_length=1)]
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=1)])
     max_tokens: int | None = 16
     echo: bool = False
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_message_for_the_union(cls, value, handler):
+        try:
+            return handler(value)
+        except ValidationError:  # pydantic would list one complaint per union member
+            raise ValueError("must be a non-empty string, a non-empty list of token ids (integers "
+                             ">= 0), or a list holding exactly one of those") from None
     suffix: str | None = None
 
     def single_prompt(self) -> str | list[int]:
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise InvalidParameter("prompt", "only one prompt per request is supported")
+        p = self.prompt  # validated: a list of prompts holds exactly one
+        if isinstance(p, list) and isinstance(p[0], (str, list)):
             p = p[0]
         if self.echo:
             raise InvalidParameter("echo", "echo is not supported")

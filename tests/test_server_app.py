@@ -1,0 +1,180 @@
+"""The server app in-process over a scripted fake engine: the paths a real model can't be made to
+take on demand (engine failure, the shutdown drain, chosen-K from the engine's step stats)."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from tidal.engine.llm_engine import RequestOutput  # noqa: E402
+from tidal.sampling_params import InvalidParameter  # noqa: E402
+from tidal.sequence import Sequence, SequenceStatus  # noqa: E402
+from tidal.server import build_app  # noqa: E402
+from tidal.server.metrics import chosen_ks  # noqa: E402
+
+MODEL = "fake"
+
+
+class FakeTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [1 + ord(c) % 100 for c in text]
+
+    def apply_chat_template(self, conversation: list[dict]) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in conversation) + "<assistant>"
+
+
+class FakeEngine:
+    """Each step gives every request the letter 'x' and records a 2-token draft with 1 accepted;
+    `fail` makes step() raise; `with_stats` exposes last_step_stats with chosen_k."""
+
+    def __init__(self, with_stats: bool = True, step_s: float = 0.002):
+        self.tokenizer = FakeTokenizer()
+        self.model_config = SimpleNamespace(max_model_len=4096)
+        self.block_manager = SimpleNamespace(num_blocks=100, block_size=16, num_free_blocks=100)
+        self.scheduler = SimpleNamespace(running=[], waiting=[])
+        self.seqs: dict[str, Sequence] = {}
+        self.fail, self.with_stats, self.step_s = False, with_stats, step_s
+
+    def add_request(self, rid, ids, params):
+        if len(ids) + params.max_tokens > 4096:
+            raise InvalidParameter("max_tokens", "too large")
+        seq = self.seqs[rid] = Sequence(rid, list(ids), params)
+        self.scheduler.running.append(seq)
+        self.block_manager.num_free_blocks -= 1
+        return seq
+
+    def abort(self, rid) -> bool:
+        seq = self.seqs.pop(rid, None)
+        if seq is not None:
+            self._free(seq, "abort")
+        return seq is not None
+
+    def _free(self, seq, reason):
+        self.scheduler.running.remove(seq)
+        self.block_manager.num_free_blocks += 1
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    def step(self):
+        if self.fail:
+            raise RuntimeError("boom")
+        time.sleep(self.step_s)
+        outs = []
+        for rid, seq in list(self.seqs.items()):
+            seq.output_token_ids.append(7)
+            seq.output_text += "x"
+            seq.spec.record(2, 1)
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                del self.seqs[rid]
+                self._free(seq, "length")
+            outs.append(RequestOutput(rid, seq.prompt_token_ids, list(seq.output_token_ids),
+                                      seq.output_text, seq.is_finished, seq.finish_reason))
+        if self.with_stats:
+            self.last_step_stats = SimpleNamespace(chosen_k=[2] * len(outs))
+        return outs
+
+
+def _app(engine, **kw):
+    return TestClient(build_app(engine, model_name=MODEL, **kw))
+
+
+def _metric(client, line_prefix: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(line_prefix):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{line_prefix} not in /metrics")
+
+
+def test_tokens_usage_spec_and_chosen_k_metrics():
+    with _app(FakeEngine()) as client:
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 5})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0] == {"index": 0, "text": "xxxxx", "logprobs": None, "finish_reason": "length"}
+        assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+        assert _metric(client, "tidal:generation_tokens_total") == 5
+        assert _metric(client, "tidal:prompt_tokens_total") == 5
+        assert _metric(client, "tidal:spec_decode_num_drafted_tokens_total") == 10
+        assert _metric(client, "tidal:spec_decode_num_accepted_tokens_total") == 5
+        assert _metric(client, 'tidal:spec_decode_num_accepted_tokens_per_pos_total{model_name="fake",position="0"}') == 5
+        assert _metric(client, 'tidal:spec_decode_num_drafted_tokens_per_pos_total{model_name="fake",position="1"}') == 5
+        assert _metric(client, "tidal:spec_decode_chosen_k_count") == 5  # one K per request per step
+        assert _metric(client, "tidal:spec_decode_chosen_k_sum") == 10
+        assert _metric(client, "tidal:kv_cache_usage_perc") == 0
+
+
+def test_no_step_stats_means_no_chosen_k():
+    with _app(FakeEngine(with_stats=False)) as client:
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}).status_code == 200
+        assert _metric(client, "tidal:spec_decode_chosen_k_count") == 0
+
+
+@pytest.mark.parametrize("stats, want", [
+    (None, []),
+    (SimpleNamespace(), []),
+    (SimpleNamespace(chosen_k=[0, 3, 1]), [0, 3, 1]),
+    ({"chosen_k": {"a": 2, "b": 4}}, [2, 4]),
+    (SimpleNamespace(chosen_k="oops"), []),
+    (SimpleNamespace(chosen_k=7), []),
+    (SimpleNamespace(chosen_k=[1, None, -1, True, 2.0]), [1, 2]),
+])
+def test_chosen_ks_reads_whatever_the_engine_exposes(stats, want):
+    assert chosen_ks(stats) == want
+
+
+def test_engine_failure_fails_requests_and_health():
+    engine = FakeEngine(step_s=0.05)
+    with _app(engine) as client:
+        with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 1000, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            engine.fail = True
+            rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert "engine failed" in rest[-1]["error"]["message"]
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+
+
+def test_drain_aborts_at_the_deadline_and_refuses_new_requests():
+    engine = FakeEngine(step_s=0.01)
+    app = build_app(engine, model_name=MODEL)
+    with TestClient(app) as client:
+        with client.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 10**3, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            app.state.engine.drain(0.3)
+            t0 = time.monotonic()
+            r2 = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r2.status_code == 503 and "shutting down" in r2.json()["error"]["message"]
+            events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+            assert events[-1]["choices"][0]["finish_reason"] == "abort"
+            assert 0.2 < time.monotonic() - t0 < 5
+        assert not engine.seqs and engine.block_manager.num_free_blocks == 100
+
+
+def test_api_key_and_bad_input_shapes():
+    with _app(FakeEngine(), api_key="k") as client:
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()["data"][0]["id"] == MODEL
+        r = client.post("/v1/completions", headers={"Authorization": "Bearer k"},
+                        json={"prompt": "hi", "max_tokens": True})  # no bool-as-int coercion
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = client.post("/v1/completions", headers={"Authorization": "Bearer k"},
+                        json={"prompt": "hi", "max_tokens": 4095})  # the engine's own refusal
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_serve_rejects_bad_options_before_loading(capsys):
+    from tidal.cli import main
+
+    assert main(["serve", "--max-waiting", "0"]) == 2
+    assert "--max-waiting" in capsys.readouterr().err
