@@ -12,17 +12,30 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or a HF Llama directory (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    p.add_argument("--speculative-method", default="none", choices=["none", "ngram", "eagle3"])
-    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--speculation", default="adaptive", choices=["off", "fixed", "adaptive"],
+                   help="adaptive: the policy picks 0..K drafts per request each step; fixed: always K")
+    p.add_argument("--speculative-method", default="auto", choices=["auto", "ngram", "eagle3"],
+                   help="auto: eagle3 with the shipped head on the bundled model, ngram otherwise")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="K: fixed draft length, or the most the adaptive policy may choose (default 4)")
+    p.add_argument("--spec-schedule", default=None,
+                   help='batch size to K, vLLM-style, e.g. "1-4:4,5-16:2,17-:0" (replaces --speculation)')
     p.add_argument("--draft-model", default=None, help="EAGLE-3 head directory (HF layout)")
 
 
 def _engine_kwargs(args) -> dict:
     from tidal.config import SpecConfig
 
-    return dict(dtype=args.dtype, device=args.device,
-                spec=SpecConfig(args.speculative_method, args.num_speculative_tokens,
-                                draft_model=args.draft_model))
+    if args.speculation == "off" and args.spec_schedule is None:
+        spec = SpecConfig()
+    else:
+        method = args.speculative_method
+        if method == "auto":
+            method = "eagle3" if args.model is None or args.draft_model else "ngram"
+        mode = "schedule" if args.spec_schedule else args.speculation
+        spec = SpecConfig(method, args.num_speculative_tokens or 4, draft_model=args.draft_model,
+                          mode=mode, schedule=args.spec_schedule)
+    return dict(dtype=args.dtype, device=args.device, spec=spec)
 
 
 def _generate(args) -> int:
