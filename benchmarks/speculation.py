@@ -1,9 +1,11 @@
 """Speculative decoding at one request at a time: tok/s and mean acceptance length.
 
     python benchmarks/speculation.py [--prompts 6] [--output-tokens 96] [--ks 1,2,3,4,5,6]
+                                     [--methods ngram,eagle3]
 
 Two workloads: the shipped chat prompts, and repetition-heavy rewrite prompts (the answer
-reuses the prompt). For each: speculation off, then the n-gram drafter at each K. Mean
+reuses the prompt); neither is in the drafter's training prompts. For each: speculation off,
+then each drafter (n-gram; EAGLE-3 with the head shipped for the bundled model) at each K. Mean
 acceptance length = output tokens / target forward steps that produced them (1.0 = off).
 """
 
@@ -38,9 +40,11 @@ def main():
     ap.add_argument("--output-tokens", type=int, default=96)
     ap.add_argument("--ks", default="1,2,3,4,5,6")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--methods", default="ngram,eagle3", help="drafters to compare (eagle3: the shipped head)")
     args = ap.parse_args()
     configs = {"off": SpecConfig()}
-    configs.update({f"ngram K={k}": SpecConfig("ngram", k) for k in map(int, args.ks.split(","))})
+    for method in args.methods.split(","):
+        configs.update({f"{method} K={k}": SpecConfig(method, k) for k in map(int, args.ks.split(","))})
     # One engine per config, all loaded at once, and each prompt run on every engine in turn
     # (rotating the order), so that drift in this machine's speed hits every config alike.
     cache = CacheConfig(kv_cache_bytes=256 << 20)

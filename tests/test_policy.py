@@ -69,9 +69,10 @@ def test_goodput_choice_is_the_best_allocation_by_brute_force():
     assert g(ks) == pytest.approx(g(best), rel=0.02)
 
 
-def run_noisy(margin: float) -> tuple[int, list[int]]:
-    """300 steps near the break-even point, step times measured with +-20% noise; returns how
-    often the choice changed and the drafts per step."""
+def run_noisy(margin: float, fitted: bool) -> tuple[int, list[int]]:
+    """300 steps near the break-even point with step times off by up to +-20% and measured
+    into the fitted cost model (`fitted`), or estimates off by up to +-2% seen raw by the policy. Returns how often
+    the choice changed, and the drafts per step."""
     rng = random.Random(0)
     model = StepCostModel(window=64)
     policy = SpecPolicy("adaptive", 4, margin=margin)
@@ -80,7 +81,10 @@ def run_noisy(margin: float) -> tuple[int, list[int]]:
         model.observe(t, 4, 400, true(t, 4, 400), anchor=True)
     prev, changes, drafts = None, 0, []
     for _ in range(300):
-        ks = policy.choose(views([0.6] * 4, k=4, prev=prev if margin else None), 4, 4, 400, model.predict, no_draft_cost)
+        noise = {}
+        raw = lambda t, s, c: true(t, s, c) * noise.setdefault(t, rng.uniform(0.98, 1.02))  # noqa: E731
+        ks = policy.choose(views([0.6] * 4, k=4, prev=prev if margin else None), 4, 4, 400,
+                           model.predict if fitted else raw, no_draft_cost)
         changes += prev is not None and ks != prev
         prev = ks
         drafts.append(sum(ks))
@@ -90,10 +94,10 @@ def run_noisy(margin: float) -> tuple[int, list[int]]:
 
 
 def test_noisy_step_times_do_not_make_k_flap():
-    with_hysteresis, drafts = run_noisy(0.03)
-    without, _ = run_noisy(0.0)
-    assert with_hysteresis <= 3 < without
-    assert len(set(drafts[-100:])) == 1  # settled
+    changes, drafts = run_noisy(0.03, fitted=True)
+    assert changes <= 3 and len(set(drafts[-100:])) == 1  # settled
+    # the hysteresis alone holds the choice even when every estimate is noisy
+    assert run_noisy(0.03, fitted=False)[0] <= 0.2 * run_noisy(0.0, fitted=False)[0]
 
 
 def test_fixed_and_schedule_modes():

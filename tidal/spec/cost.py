@@ -60,7 +60,7 @@ class StepCostModel:
     """Seconds for one target forward over `tokens` tokens of `seqs` sequences holding `context`
     tokens of KV in all."""
 
-    def __init__(self, knots=DEFAULT_KNOTS, window: int = 256, smoothness: float = 1.0):
+    def __init__(self, knots=DEFAULT_KNOTS, window: int = 256, smoothness: float = 1e-2):
         self.knots = sorted(set(knots))
         n = len(self.knots)
         # second differences of f (per token, so knot spacing does not matter) should be small
