@@ -223,7 +223,7 @@ class LLMEngine:
         caps = [max(0, min(self.policy.max_k, s.params.max_tokens - len(s.output_token_ids) - 1)) for s in seqs]
         ks = self._choose_k(seqs, caps)
         stats = self.last_step_stats
-        stats.chosen_k = ks
+        stats.chosen_k = list(ks)  # the policy's choice; ks is trimmed to free blocks below
         for k in ks:
             self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
         for i, seq in enumerate(seqs):  # slots for the drafts (the head writes KV there too)
