@@ -92,7 +92,8 @@ def _train_drafter(args) -> int:
                                                if k not in ("func", "command") and v is not None))
         train_drafter(str(out), model=args.model, prompts=prompts, max_tokens=args.max_tokens,
                       draft_vocab_size=args.draft_vocab_size, epochs=args.epochs, num_steps=args.num_steps,
-                      lr=args.lr, seed=args.seed, dtype=args.dtype, log=log)
+                      lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed, dtype=args.dtype,
+                      data=args.data, log=log)
     return 0
 
 
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--epochs", type=int, default=3)
     t.add_argument("--num-steps", type=int, default=6, help="training-time-test steps (chain length trained)")
     t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--batch-tokens", type=int, default=4096, help="tokens per optimiser step")
+    t.add_argument("--data", default=None,
+                   help="file for the target's answers and features: written once, reused by later runs")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=_train_drafter)
     args = parser.parse_args(argv)

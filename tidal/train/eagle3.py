@@ -217,11 +217,33 @@ def train(head: Eagle3Head, unembed_d: torch.Tensor, train_set: list[Example], v
         log(f"epoch {epoch + 1} held-out top-1 agreement per step: " + " ".join(f"{a:.3f}" for a in agree))
 
 
+def save_examples(path: str, examples: list[Example], key: dict) -> None:
+    """The generated data in one file (concatenated tensors), tagged with what produced it."""
+    torch.save({"key": key, "lengths": [len(e.ids) for e in examples], "prompt_lens": [e.prompt_len for e in examples],
+                "ids": torch.cat([e.ids for e in examples]), "features": torch.cat([e.features for e in examples]),
+                "hidden": torch.cat([e.hidden for e in examples])}, path)
+
+
+def load_examples(path: str, key: dict) -> list[Example]:
+    """Examples saved by `save_examples`; a file made for another model, prompt set or length is refused."""
+    d = torch.load(path, weights_only=True)
+    if d["key"] != key:
+        raise ValueError(f"--data {path} was generated for {d['key']}, not {key}: delete it or pass another path")
+    split = lambda x: x.split(d["lengths"])  # noqa: E731
+    return [Example(i, f, h, p) for i, f, h, p in zip(split(d["ids"]), split(d["features"]), split(d["hidden"]),
+                                                        d["prompt_lens"])]
+
+
 def train_drafter(output: str, *, model: str | None = None, prompts: list[str] | None = None,
                   max_tokens: int = 192, draft_vocab_size: int = 8192, epochs: int = 3, num_steps: int = 6,
                   lr: float = 1e-3, batch_tokens: int = 4096, val_fraction: float = 0.05, seed: int = 0,
-                  dtype: str = "auto", log=print) -> Eagle3Head:
-    """Self-distil an EAGLE-3 head for `model` (default: the bundled one) and save it to `output`."""
+                  dtype: str = "auto", data: str | None = None, log=print) -> Eagle3Head:
+    """Self-distil an EAGLE-3 head for `model` (default: the bundled one) and save it to `output`.
+    `data`: a file for the generated answers and features; reused when it exists (same model,
+    prompts and answer length), so that training runs can be repeated without the target."""
+    import hashlib
+    import os
+
     from tidal.bench.datasets import train_prompts
     from tidal.engine.llm_engine import LLM
     from tidal.models.eagle3 import save_eagle3
@@ -232,11 +254,20 @@ def train_drafter(output: str, *, model: str | None = None, prompts: list[str] |
     llm = LLM(model, dtype=dtype)
     target = llm.engine.runner.model
     log(f"target {llm.engine.model_name} ({llm.engine.dtype}); {len(prompts)} prompts, answers up to {max_tokens} tokens")
-    pairs = target_answers(llm, prompts, max_tokens)
-    log(f"answers: {sum(len(a) for _, a in pairs)} tokens in {time.perf_counter() - t0:.0f}s")
-    aux = Eagle3Config(target.cfg, 0, 0, Eagle3Config.default_aux_layers(target.cfg.num_layers)).target_output_layers
-    examples = target_features(llm.engine, pairs, aux)
-    log(f"features: {sum(len(e.ids) for e in examples)} positions in {time.perf_counter() - t0:.0f}s")
+    key = {"model": llm.engine.model_name, "dtype": str(llm.engine.dtype), "max_tokens": max_tokens,
+           "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest()[:16]}
+    if data and os.path.exists(data):
+        examples = load_examples(data, key)
+        log(f"answers and features: {sum(len(e.ids) for e in examples)} positions loaded from {data}")
+    else:
+        pairs = target_answers(llm, prompts, max_tokens)
+        log(f"answers: {sum(len(a) for _, a in pairs)} tokens in {time.perf_counter() - t0:.0f}s")
+        aux = Eagle3Config(target.cfg, 0, 0, Eagle3Config.default_aux_layers(target.cfg.num_layers)).target_output_layers
+        examples = target_features(llm.engine, pairs, aux)
+        log(f"features: {sum(len(e.ids) for e in examples)} positions in {time.perf_counter() - t0:.0f}s")
+        if data:
+            save_examples(data, examples, key)
+            log(f"saved answers and features to {data}")
     draft_ids = draft_vocab(examples, draft_vocab_size, target.cfg.vocab_size)
     answer_tokens = torch.cat([e.ids[e.prompt_len:] for e in examples])
     log(f"draft vocab {len(draft_ids)}: covers {torch.isin(answer_tokens, draft_ids).float().mean():.2%} of answer tokens")
