@@ -1,0 +1,61 @@
+"""A step-time model from measured points, fitted with the engine's own cost models.
+
+The file is CSV with a header `tokens,seqs,context,seconds` (optional further rows may be draft
+points, see below), or JSON: {"steps": [[tokens, seqs, context, seconds], ...],
+"drafts": [[forwards, tokens, catch_up, seconds], ...]}. A CSV row whose `kind` column is
+"draft" reads its columns as forwards, tokens, catch_up, seconds. Without draft points the
+drafter costs nothing (an n-gram drafter, or a profile that did not time it).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from tidal.sim.roofline import StepShape
+from tidal.spec.cost import DEFAULT_KNOTS, DraftCostModel, StepCostModel
+
+
+class MeasuredModel:
+    """Step and draft times predicted by StepCostModel / DraftCostModel fitted to the points."""
+
+    def __init__(self, steps: list[tuple[int, int, int, float]], drafts: list[tuple[int, int, int, float]] = (),
+                 knots=DEFAULT_KNOTS):
+        if not steps:
+            raise ValueError("a measured profile needs at least one step point")
+        # the window must hold every point: these are the whole profile, not a recent slice
+        self.step_cost = StepCostModel(knots, window=len(steps))
+        for tokens, seqs, context, seconds in steps:
+            self.step_cost.observe(int(tokens), int(seqs), int(context), float(seconds))
+        self.draft_cost = DraftCostModel(window=max(1, len(drafts)))
+        self.has_drafts = bool(drafts)
+        for forwards, tokens, catch_up, seconds in drafts:
+            self.draft_cost.observe(int(forwards), int(tokens), int(catch_up), float(seconds))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "MeasuredModel":
+        """Read a CSV or JSON profile (see the module docstring)."""
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix == ".json":
+            data = json.loads(text)
+            return cls([tuple(p) for p in data["steps"]], [tuple(p) for p in data.get("drafts", [])])
+        steps, drafts = [], []
+        for row in csv.DictReader(text.splitlines()):
+            if row.get("kind") == "draft":
+                drafts.append((row["forwards"], row["tokens"], row["catch_up"], row["seconds"]))
+            else:
+                steps.append((row["tokens"], row["seqs"], row["context"], row["seconds"]))
+        return cls(steps, drafts)
+
+    def step_time(self, shape: StepShape) -> float:
+        return self.step_cost.predict(shape.tokens, shape.seqs, shape.context)
+
+    def draft_time(self, ks: list[int], catch_up: int) -> float:
+        if not self.has_drafts:
+            return 0.0
+        return self.draft_cost.predict(max(ks, default=0), sum(ks), catch_up)
+
+    def describe(self) -> str:
+        return f"measured profile: {self.step_cost.num_samples} step points fitted by StepCostModel"

@@ -1,0 +1,194 @@
+"""Step-time models for the simulator: what a target forward and a drafter forward cost.
+
+A step-time model answers two questions, in seconds:
+    step_time(shape)            one target forward over a ragged batch (prefill chunks, decode
+                                tokens, draft tokens to verify)
+    draft_time(ks, catch_up)    one proposal of ks[i] drafts for request i, after the drafter
+                                catches up on `catch_up` verified positions
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from tidal.sim.presets import Hardware, ModelSpec, expected_distinct_experts
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one target forward processes."""
+
+    tokens: int  # all tokens fed: prefill + decode + draft
+    seqs: int
+    context: int  # KV tokens of the scheduled sequences after this step (the engine's cost feature)
+    draft_tokens: int = 0
+    logits: int = 0  # positions whose logits are needed (decode, drafts, last prefill chunk)
+    attention_pairs: int = 0  # (query, key) pairs attention computes
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The roofline's free constants (what `tidal sim --calibrate` fits)."""
+
+    bandwidth: float = 0.8  # fraction of peak memory bandwidth reached
+    flops: float = 0.6  # fraction of peak dense FLOP/s reached
+    step_overhead: float = 0.0  # seconds per target forward on top of the preset's launch overhead
+    token_overhead: float = 0.0  # seconds per token fed (sampling, scheduling, ragged metadata)
+    draft_overhead: float = 0.0  # seconds per drafter forward on top of the launch overhead
+    link: float = 1.0  # all-reduce speed relative to the preset's latency and bandwidth (a guess, so free)
+
+
+@dataclass(frozen=True)
+class Terms:
+    """The efficiency-free parts of one forward's time, per GPU."""
+
+    flops: float
+    bytes: float
+    comm: float  # seconds of all-reduce at the preset's link speed
+    tokens: int
+
+
+@dataclass
+class RooflineModel:
+    """Step time from peak hardware numbers and the model's shape, tensor parallel over all GPUs.
+
+    For a forward over T tokens on tp GPUs, per GPU:
+        memory  = (W(T) + kv * context + kv * T) / (bandwidth * eff_bw)
+            W(T) = weight bytes read / tp: attention and lm_head always; the dense MLP, or for a
+                   MoE the experts touched, E * (1 - (1 - k/E)^T) per layer
+            kv   = K+V bytes per token / min(tp, kv_heads)   (heads split, never below one)
+        compute = (2 * T * active linear params + 2 * logits * vocab * hidden
+                   + 4 * layers * heads * head_dim * attention pairs) / tp / (FLOP/s * eff_flops)
+        comm    = 2 * layers * (latency + 2 (tp - 1) / tp * T * hidden * 2 bytes / link)  (ring
+                  all-reduce after attention and after the MLP; 0 when tp = 1)
+        time    = max(compute, memory) + comm / link + launch + step_overhead + token_overhead * T
+
+    The EAGLE-3 draft head is one decoder layer of the target's width whose q/k/v read the
+    concatenated (embedding, feature) of width 2 * hidden, an fc fusing three target features
+    (3 * hidden -> hidden, run over the catch-up tokens only) and an lm_head over the draft vocab;
+    each drafter forward is costed the same way, with `draft_overhead` in place of the step's.
+    """
+
+    hardware: Hardware
+    model: ModelSpec
+    tp: int | None = None  # None: all GPUs of the server
+    dtype: str = "bf16"  # weights: bf16 | fp8; KV and activations are bf16
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    drafter: str = "eagle3"  # eagle3 | none (a drafter with no GPU cost, e.g. n-gram)
+
+    def __post_init__(self):
+        if self.dtype not in ("bf16", "fp8"):
+            raise ValueError(f"dtype {self.dtype!r} is not bf16 or fp8")
+        if self.drafter not in ("eagle3", "none"):
+            raise ValueError(f"drafter {self.drafter!r} is not eagle3 or none")
+        self.tp = self.tp or self.hardware.num_gpus
+        if not 1 <= self.tp <= self.hardware.num_gpus:
+            raise ValueError(f"tensor parallel size must be in 1..{self.hardware.num_gpus}")
+
+    def with_efficiency(self, efficiency: Efficiency) -> "RooflineModel":
+        return replace(self, efficiency=efficiency)
+
+    # ------------------------------------------------------------ pieces
+
+    @property
+    def weight_bytes(self) -> int:
+        return 1 if self.dtype == "fp8" else 2
+
+    @property
+    def peak_flops(self) -> float:
+        return self.hardware.flops_fp8 if self.dtype == "fp8" else self.hardware.flops_bf16
+
+    @property
+    def kv_bytes_per_token_per_gpu(self) -> float:
+        m = self.model
+        return m.kv_bytes_per_token(2) / min(self.tp, m.num_kv_heads)
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """Weight bytes one GPU reads in a forward over `tokens` tokens."""
+        m = self.model
+        if m.is_moe:
+            experts = expected_distinct_experts(m.num_experts, m.experts_per_token, tokens)
+            mlp = experts * m.mlp_params + m.router_params
+        else:
+            mlp = m.mlp_params
+        params = m.num_layers * (m.attention_params + mlp) + m.lm_head_params
+        return params * self.weight_bytes / self.tp
+
+    def linear_flops(self, tokens: int) -> float:
+        """Matmul FLOPs of the layers (not the lm_head) over `tokens` tokens, on one GPU."""
+        m = self.model
+        mlp = m.mlp_params * max(1, m.experts_per_token) + m.router_params
+        return 2.0 * tokens * m.num_layers * (m.attention_params + mlp) / self.tp
+
+    def allreduce_time(self, tokens: int, count: int) -> float:
+        """`count` ring all-reduces of `tokens` hidden vectors in bf16."""
+        if self.tp == 1 or tokens == 0:
+            return 0.0
+        hw = self.hardware
+        size = tokens * self.model.hidden_size * 2
+        return count * (hw.link_latency + 2 * (self.tp - 1) / self.tp * size / hw.link_bandwidth)
+
+    def time(self, t: Terms, draft: bool = False) -> float:
+        """max(compute, memory) + comm + overheads, with this model's efficiency."""
+        e = self.efficiency
+        fixed = self.hardware.launch_overhead + (e.draft_overhead if draft else e.step_overhead + e.token_overhead * t.tokens)
+        return max(t.flops / (self.peak_flops * e.flops), t.bytes / (self.hardware.memory_bandwidth * e.bandwidth)) \
+            + t.comm / e.link + fixed
+
+    # ------------------------------------------------------------ the two questions
+
+    def step_time(self, shape: StepShape) -> float:
+        """Seconds for one target forward (see the class docstring for the formula)."""
+        return self.time(self.step_terms(shape))
+
+    def step_terms(self, shape: StepShape) -> Terms:
+        m = self.model
+        logits = shape.logits or shape.seqs
+        kv = self.kv_bytes_per_token_per_gpu
+        memory = self.weight_bytes_read(shape.tokens) + kv * (shape.context + shape.tokens)
+        flops = (self.linear_flops(shape.tokens) + 2.0 * logits * m.lm_head_params / self.tp
+                 + 4.0 * m.num_layers * m.num_heads * m.head_dim * shape.attention_pairs / self.tp)
+        return Terms(flops, memory, self.allreduce_time(shape.tokens, 2 * m.num_layers), shape.tokens)
+
+    def draft_forward_terms(self, tokens: int, fuse: bool) -> Terms:
+        """One EAGLE-3 head forward over `tokens` tokens; `fuse`: it also runs the fc over them."""
+        m, h = self.model, self.model.hidden_size
+        q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+        layer = 2 * h * (q + 2 * kv) + q * h + 3 * h * m.intermediate_size
+        lm_head = h * m.draft_vocab_size
+        params = layer + lm_head + (3 * h * h if fuse else 0)
+        memory = params * self.weight_bytes / self.tp
+        flops = 2.0 * tokens * params / self.tp
+        return Terms(flops, memory, self.allreduce_time(tokens, 2), tokens)
+
+    def draft_terms(self, ks: list[int], catch_up: int) -> list[Terms]:
+        """A proposal of ks[i] drafts per request: the first forward runs over the `catch_up`
+        verified positions (fusing their features), forward j >= 2 over the requests with k >= j.
+        No forwards for a drafter without GPU cost."""
+        longest = max(ks, default=0)
+        if not longest or self.drafter == "none":
+            return []
+        later = [self.draft_forward_terms(sum(k >= j for k in ks), False) for j in range(2, longest + 1)]
+        return [self.draft_forward_terms(max(catch_up, 1), True)] + later
+
+    def draft_time(self, ks: list[int], catch_up: int) -> float:
+        """Seconds for one proposal (see draft_terms)."""
+        return sum(self.time(t, draft=True) for t in self.draft_terms(ks, catch_up))
+
+    def kv_capacity_tokens(self, memory_fraction: float = 0.9) -> int:
+        """KV tokens that fit beside the weights in `memory_fraction` of each GPU's memory."""
+        m = self.model
+        free = self.hardware.memory_bytes * memory_fraction - m.total_params * self.weight_bytes / self.tp
+        if free <= 0:
+            raise ValueError(f"{m.name} in {self.dtype} does not fit on {self.tp} x {self.hardware.name} GPUs")
+        return int(free / self.kv_bytes_per_token_per_gpu)
+
+    def describe(self) -> str:
+        e = self.efficiency
+        return (f"roofline {self.model.name} {self.dtype} on {self.hardware.name} tp={self.tp}: "
+                f"bandwidth x{e.bandwidth:.3g}, FLOP/s x{e.flops:.3g}, "
+                f"step overhead {1e3 * (self.hardware.launch_overhead + e.step_overhead):.3g} ms, "
+                f"per token {1e6 * e.token_overhead:.3g} us, per draft forward "
+                f"{1e3 * (self.hardware.launch_overhead + e.draft_overhead):.3g} ms, all-reduce x{e.link:.3g} "
+                f"the preset's speed ({1e6 * self.hardware.link_latency / e.link:.3g} us + bytes / "
+                f"{self.hardware.link_bandwidth * e.link / 1e9:.3g} GB/s)")

@@ -1,0 +1,312 @@
+"""Discrete-event simulation of the engine: the real Scheduler, BlockManager and SpecPolicy (fed
+by the real StepCostModel / DraftCostModel, fitted online as in the engine), with a step-time
+model in place of the model forward and an acceptance model in place of the verifier.
+
+One simulated step mirrors `LLMEngine.step()`: schedule, time the forward, feed every scheduled
+sequence its tokens, accept a sampled prefix of each request's drafts plus the bonus token,
+finish requests at their output length, then let the policy choose the next draft lengths and
+time the drafter. Closed-loop clients keep `concurrency` requests in flight: a finished request
+is replaced at once until `num_prompts` have been sent, as `tidal bench` does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tidal.config import SchedulerConfig
+from tidal.engine.block_manager import BlockManager
+from tidal.engine.scheduler import ScheduledSeq, Scheduler
+from tidal.sampling_params import SamplingParams
+from tidal.sequence import Sequence
+from tidal.sim.roofline import StepShape
+from tidal.spec.cost import DEFAULT_KNOTS, DraftCostModel, StepCostModel
+from tidal.spec.policy import RequestView, SpecPolicy, parse_schedule
+
+
+class StepTimeModel(Protocol):
+    def step_time(self, shape: StepShape) -> float: ...
+
+    def draft_time(self, ks: list[int], catch_up: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class SpecMode:
+    """A speculation setting as the CLI spells it: off, fixed:K, adaptive[:K], schedule:TABLE."""
+
+    label: str
+    mode: str  # off | fixed | adaptive | schedule
+    max_k: int = 0
+    schedule: str | None = None
+
+    def make_policy(self) -> SpecPolicy | None:
+        """The SpecPolicy the engine builds for this setting (LLMEngine._make_policy)."""
+        return None if self.mode == "off" else SpecPolicy(self.mode, self.max_k, self.schedule)
+
+
+def parse_mode(text: str, default_k: int = 4) -> SpecMode:
+    """'off' | 'fixed[:K]' | 'adaptive[:K]' | 'schedule:1-4:4,5-:0' (K defaults to `default_k`)."""
+    text = text.strip().strip('"\'')
+    name, _, arg = text.partition(":")
+    arg = arg.strip('"\'')
+    if name == "off" and not arg:
+        return SpecMode("off", "off")
+    if name in ("fixed", "adaptive"):
+        k = int(arg) if arg else default_k
+        if not 1 <= k <= 15:
+            raise ValueError(f"{text!r}: K must be in 1..15")
+        return SpecMode(text, name, k)
+    if name == "schedule" and arg:
+        return SpecMode(text, "schedule", max(k for *_, k in parse_schedule(arg)), arg)
+    raise ValueError(f"bad speculation mode {text!r}: want off, fixed:K, adaptive[:K] or schedule:LO-HI:K,...")
+
+
+def parse_modes(text: str, default_k: int = 4) -> list[SpecMode]:
+    """A comma-separated list of modes; a schedule's own entries (they start with a digit)
+    stay with it: 'off,fixed:3,schedule:1-4:4,5-:0,adaptive'."""
+    parts: list[str] = []
+    for part in text.split(","):
+        if parts and parts[-1].lstrip('"\'').startswith("schedule:") and part.strip()[:1].isdigit():
+            parts[-1] += "," + part
+        else:
+            parts.append(part)
+    return [parse_mode(p, default_k) for p in parts if p.strip()]
+
+
+@dataclass(frozen=True)
+class AcceptanceModel:
+    """Per-position conditional acceptance: draft position i is accepted with probability
+    curve[i] given positions < i were (positions past the curve use its last value)."""
+
+    curve: tuple[float, ...]
+
+    def __post_init__(self):
+        if not self.curve or not all(0.0 <= a <= 1.0 for a in self.curve):
+            raise ValueError("acceptance probabilities must be in [0, 1], at least one")
+
+    @classmethod
+    def parse(cls, text: str) -> "AcceptanceModel":
+        """'0.8,0.6,0.5' or one constant '0.7'."""
+        return cls(tuple(float(x) for x in text.split(",") if x.strip()))
+
+    def sample(self, num_drafts: int, rng: random.Random) -> int:
+        """Accepted drafts: the length of the accepted prefix of `num_drafts` drafts."""
+        for i in range(num_drafts):
+            if rng.random() >= self.curve[min(i, len(self.curve) - 1)]:
+                return i
+        return num_drafts
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a verification of k drafts emits on average, the bonus token included."""
+        out, w = 1.0, 1.0
+        for i in range(k):
+            w *= self.curve[min(i, len(self.curve) - 1)]
+            out += w
+        return out
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Closed loop: `concurrency` requests in flight, `num_prompts` in all, fixed lengths."""
+
+    concurrency: int
+    num_prompts: int
+    input_len: int
+    output_len: int
+
+    def __post_init__(self):
+        if min(self.concurrency, self.num_prompts, self.input_len, self.output_len) < 1:
+            raise ValueError("concurrency, num_prompts, input_len and output_len must be >= 1")
+
+
+@dataclass
+class RequestTrace:
+    """When one simulated request arrived and when each of its output chunks came out."""
+
+    arrival: float
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+
+@dataclass
+class SimRun:
+    """What one simulated sweep point produced."""
+
+    traces: list[RequestTrace]
+    duration: float
+    num_steps: int = 0
+    num_verifications: int = 0  # request-steps that verified at least one draft
+    num_accepted: int = 0
+    chosen_k: list[int] = field(default_factory=list)  # every choice of the policy, per request per step
+
+
+class Simulator:
+    """Runs a workload through the real scheduler and policy on simulated time."""
+
+    PROFILE_PROMPT_LEN, PROFILE_MAX_TOKENS = 48, 6  # as LLMEngine.profile()
+
+    def __init__(self, step_model: StepTimeModel, mode: SpecMode, acceptance: AcceptanceModel,
+                 scheduler: SchedulerConfig = SchedulerConfig(), num_blocks: int = 1 << 16,
+                 block_size: int = 16, seed: int = 0, knots=DEFAULT_KNOTS):
+        self.step_model, self.mode, self.acceptance = step_model, mode, acceptance
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(scheduler, self.block_manager)
+        self.policy = mode.make_policy()
+        self.step_cost, self.draft_cost = StepCostModel(knots), DraftCostModel()
+        self.rng = random.Random(seed)
+        self.clock = 0.0
+        self._profiling = False
+        self._ids = itertools.count()
+        self._run = SimRun([], 0.0)
+        self._workload, self._sent, self._traces = None, 0, {}
+        if self.policy is not None and self.policy.mode == "adaptive":
+            self.profile()
+
+    # ------------------------------------------------------------ workload
+
+    def run(self, workload: Workload) -> SimRun:
+        """Simulate the closed loop to the last request; times are simulated seconds."""
+        self._run = run = SimRun([], 0.0)
+        self._workload, self._sent, self._traces, start = workload, 0, {}, self.clock
+        for _ in range(min(workload.concurrency, workload.num_prompts)):
+            self._send()
+        while self.scheduler.has_unfinished():
+            self.step()
+        run.traces = list(self._traces.values())
+        run.duration = self.clock - start
+        return run
+
+    def _send(self) -> None:
+        w = self._workload
+        if self._sent >= w.num_prompts:
+            return
+        self._sent += 1
+        seq = self._add([1] * w.input_len, w.output_len)
+        self._traces[seq.request_id] = RequestTrace(self.clock)
+
+    def _add(self, prompt: list[int], max_tokens: int) -> Sequence:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        n = next(self._ids)
+        seq = Sequence(f"sim-{n}", prompt, params, arrival=n)
+        self.scheduler.add(seq)
+        return seq
+
+    # ------------------------------------------------------------ one step (LLMEngine.step)
+
+    def step(self) -> None:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            raise RuntimeError("nothing could be scheduled: the KV cache is too small for one request")
+        shape = step_shape(out.scheduled)
+        seconds = self.step_model.step_time(shape)
+        self.step_cost.observe(shape.tokens, shape.seqs, shape.context, seconds, anchor=self._profiling)
+        self.clock += seconds
+        self._run.num_steps += 1
+        decoding = []
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens
+            if not s.samples:
+                continue
+            accepted = self.acceptance.sample(s.num_draft_tokens, self.rng) if s.num_draft_tokens else 0
+            if s.num_draft_tokens:  # accepted drafts already have their KV written
+                seq.spec.record(s.num_draft_tokens, accepted)
+                self.policy.record(s.num_draft_tokens, accepted)
+                self._run.num_verifications += 1
+                self._run.num_accepted += accepted
+                seq.num_computed_tokens += accepted
+                seq.draft_token_ids = []
+            self._emit(seq, accepted + 1)
+            if not seq.is_finished:
+                decoding.append(seq)
+        if self.policy is not None and decoding:
+            self._propose(decoding)
+
+    def _emit(self, seq: Sequence, n: int) -> None:
+        n = min(n, seq.params.max_tokens - len(seq.output_token_ids))
+        seq.output_token_ids.extend([1] * n)
+        trace = self._traces.get(seq.request_id) if not self._profiling else None
+        if trace is not None:
+            trace.chunks.append((self.clock, n))
+        if len(seq.output_token_ids) >= seq.params.max_tokens:
+            self.scheduler.finish(seq, "length")
+            if trace is not None:
+                self._send()
+
+    def _propose(self, seqs: list[Sequence]) -> None:
+        """LLMEngine._propose with the drafter replaced by the step-time model's draft time."""
+        caps = [max(0, min(self.policy.max_k, s.params.max_tokens - len(s.output_token_ids) - 1)) for s in seqs]
+        ks = self._choose_k(seqs, caps)
+        if not self._profiling:
+            self._run.chosen_k.extend(ks)
+        for i, seq in enumerate(seqs):
+            seq.spec.chosen_k = ks[i]
+            ks[i] = self.block_manager.num_fitting(seq, seq.num_tokens, ks[i])
+            if ks[i]:
+                self.block_manager.allocate(seq, seq.num_tokens + ks[i])
+        if not any(ks):
+            return  # speculation off this step: no drafter call at all
+        catch_up = sum(catch_up_positions(s) for s, k in zip(seqs, ks) if k)
+        seconds = self.step_model.draft_time(ks, catch_up)
+        self.draft_cost.observe(max(ks), sum(ks), catch_up, seconds, anchor=self._profiling)
+        self.clock += seconds
+        for seq, k in zip(seqs, ks):
+            seq.draft_token_ids = [1] * k
+            if k:
+                seq.draft_num_computed = seq.num_computed_tokens  # the drafter caught up
+
+    def _choose_k(self, seqs: list[Sequence], caps: list[int]) -> list[int]:
+        """LLMEngine._choose_k: the policy's draft lengths for the step about to be built."""
+        sched, running = self.scheduler, self.scheduler.running
+        decoding = set(map(id, seqs))
+        pending = sum(s.num_uncomputed_tokens for s in running if id(s) not in decoding)
+        pending += sum(s.num_uncomputed_tokens for s in sched.waiting[: max(0, sched.config.max_num_seqs - len(running))])
+        base = min(len(seqs) + pending, sched.config.max_num_batched_tokens)
+        context = sum(s.num_tokens for s in running)
+        views = [RequestView(cap, s.spec.recent_reached, s.spec.recent_accepted, catch_up_positions(s), s.spec.chosen_k)
+                 for s, cap in zip(seqs, caps)]
+        return self.policy.choose(views, base, len(running), context, self.step_cost.predict, self.draft_cost.predict)
+
+    def profile(self) -> None:
+        """LLMEngine.profile(): anchor the cost models with steps over dummy requests at batch
+        sizes 1, 4, 16, 64 and draft lengths 0, 2, 4; the simulated clock does not move."""
+        policy, clock, run = self.policy, self.clock, self._run
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        prompt, max_tokens = [1] * self.PROFILE_PROMPT_LEN, self.PROFILE_MAX_TOKENS
+        self._profiling = True
+        try:
+            for n in (1, 4, 16, 64):
+                for k in (0, 2, 4):
+                    if n * (len(prompt) + max_tokens + k) > capacity // 2:
+                        continue
+                    self.policy = SpecPolicy("fixed", k) if k else None
+                    for _ in range(n):
+                        self._add(prompt, max_tokens)
+                    while self.scheduler.has_unfinished():
+                        self.step()
+        finally:
+            self.policy, self.clock, self._run, self._profiling = policy, clock, run, False
+
+
+def catch_up_positions(seq: Sequence) -> int:
+    """Verified positions an EAGLE-3 head has not seen (Eagle3Drafter.catch_up)."""
+    return seq.num_computed_tokens - seq.draft_num_computed
+
+
+def step_shape(scheduled: list[ScheduledSeq]) -> StepShape:
+    """The step-time model's view of a scheduled batch (before the step updates it); `context`
+    is what the engine feeds StepCostModel."""
+    tokens = context = drafts = logits = pairs = 0
+    for s in scheduled:
+        n, done = s.num_new_tokens, s.seq.num_computed_tokens
+        tokens += n
+        context += done + n
+        drafts += s.num_draft_tokens
+        logits += (1 + s.num_draft_tokens) if s.samples else 0
+        pairs += n * done + n * (n + 1) // 2
+    return StepShape(tokens, len(scheduled), context, drafts, logits, pairs)

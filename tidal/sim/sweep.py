@@ -1,0 +1,52 @@
+"""A simulated concurrency sweep: every speculation mode at every concurrency."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.config import SchedulerConfig
+from tidal.sim.report import SimRecord, make_record
+from tidal.sim.simulator import AcceptanceModel, Simulator, SpecMode, StepTimeModel, Workload
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """Everything but the step-time model and the modes."""
+
+    concurrency: tuple[int, ...]
+    input_len: int = 1024
+    output_len: int = 128
+    num_prompts: int | None = None  # per level; None: 4 x concurrency, at least 8
+    acceptance: AcceptanceModel = AcceptanceModel((0.7,))
+    scheduler: SchedulerConfig = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192)
+    num_blocks: int | None = None  # None: enough for every request in flight
+    block_size: int = 16
+    seed: int = 0
+
+    def workload(self, concurrency: int) -> Workload:
+        n = self.num_prompts or max(8, 4 * concurrency)
+        return Workload(concurrency, n, self.input_len, self.output_len)
+
+    def blocks(self, concurrency: int, max_k: int) -> int:
+        if self.num_blocks:
+            return self.num_blocks
+        per_request = -(-(self.input_len + self.output_len + max_k + 1) // self.block_size)
+        return per_request * concurrency + 64 * -(-(48 + 6 + 4) // self.block_size) + 1
+
+
+def simulate(model: StepTimeModel, mode: SpecMode, concurrency: int, config: SweepConfig) -> SimRecord:
+    """One sweep point, from a fresh simulator (as a freshly started server would be)."""
+    sim = Simulator(model, mode, config.acceptance, config.scheduler, config.blocks(concurrency, mode.max_k),
+                    config.block_size, config.seed)
+    return make_record(mode.label, concurrency, sim.run(config.workload(concurrency)))
+
+
+def sweep(model: StepTimeModel, modes: list[SpecMode], config: SweepConfig, progress=None) -> list[SimRecord]:
+    """Records for every (mode, concurrency), concurrency-major like `tidal bench`."""
+    records = []
+    for c in config.concurrency:
+        for mode in modes:
+            records.append(simulate(model, mode, c, config))
+            if progress is not None:
+                progress(records[-1])
+    return records
