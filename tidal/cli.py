@@ -97,6 +97,18 @@ def _train_drafter(args) -> int:
     return 0
 
 
+def _sim(args) -> int:
+    from tidal.sim.command import run_sim
+
+    return run_sim(args)
+
+
+def _tune(args) -> int:
+    from tidal.sim.command import run_tune
+
+    return run_tune(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tidal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="file for the target's answers and features: written once, reused by later runs")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=_train_drafter)
+    from tidal.sim.command import add_sim_arguments, add_tune_arguments  # argparse and presets only
+
+    add_sim_arguments(sub.add_parser("sim", help="simulate the scheduler and speculation policy on GPU servers")
+                      ).set_defaults(func=_sim)
+    add_tune_arguments(sub.add_parser("tune", help="batch-size-to-K schedules for tidal, vLLM and SGLang")
+                       ).set_defaults(func=_tune)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

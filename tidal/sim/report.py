@@ -104,3 +104,30 @@ def crossovers(records: list[SimRecord], base: str) -> dict[str, int | None]:
         later = [c for c in levels if not ahead or c > ahead[-1]]
         out[t] = later[0] if later else None
     return out
+
+
+def plot(records: list[SimRecord], path: str) -> None:
+    """PNG: tok/s vs concurrency (log x), one line per target; below, each target's ratio to
+    the first. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = list(dict.fromkeys(r.target for r in records))
+    base = {r.concurrency: r.output_tok_s for r in records if r.target == targets[0]}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 7), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    for t in targets:
+        rs = sorted((r for r in records if r.target == t), key=lambda r: r.concurrency)
+        xs = [r.concurrency for r in rs]
+        top.plot(xs, [r.output_tok_s for r in rs], marker="o", label=t)
+        bottom.plot(xs, [r.output_tok_s / base[r.concurrency] for r in rs if r.concurrency in base], marker="o")
+    top.set_xscale("log")
+    top.set_ylabel("output tok/s (simulated)")
+    top.legend()
+    bottom.axhline(1.0, color="gray", lw=0.8)
+    bottom.set_ylabel(f"ratio to {targets[0]}")
+    bottom.set_xlabel("concurrency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

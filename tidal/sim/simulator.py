@@ -48,9 +48,8 @@ class SpecMode:
 
 def parse_mode(text: str, default_k: int = 4) -> SpecMode:
     """'off' | 'fixed[:K]' | 'adaptive[:K]' | 'schedule:1-4:4,5-:0' (K defaults to `default_k`)."""
-    text = text.strip().strip('"\'')
+    text = text.strip().replace('"', "").replace("'", "")  # the shell may leave a schedule's quotes in
     name, _, arg = text.partition(":")
-    arg = arg.strip('"\'')
     if name == "off" and not arg:
         return SpecMode("off", "off")
     if name in ("fixed", "adaptive"):
@@ -68,7 +67,7 @@ def parse_modes(text: str, default_k: int = 4) -> list[SpecMode]:
     stay with it: 'off,fixed:3,schedule:1-4:4,5-:0,adaptive'."""
     parts: list[str] = []
     for part in text.split(","):
-        if parts and parts[-1].lstrip('"\'').startswith("schedule:") and part.strip()[:1].isdigit():
+        if parts and parts[-1].strip().startswith("schedule:") and part.strip()[:1].isdigit():
             parts[-1] += "," + part
         else:
             parts.append(part)

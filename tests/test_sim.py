@@ -1,0 +1,205 @@
+"""tidal sim / tune: roofline numbers, the simulator over the real scheduler and policy,
+calibration, and the emitted schedules. Pure Python, no model."""
+
+import json
+import math
+
+import pytest
+
+from tidal.cli import main
+from tidal.config import SchedulerConfig
+from tidal.sim.calibrate import calibrate, parse_points
+from tidal.sim.command import parse_concurrency
+from tidal.sim.measured import MeasuredModel
+from tidal.sim.presets import HARDWARE, MODELS, expected_distinct_experts
+from tidal.sim.report import make_record
+from tidal.sim.roofline import Efficiency, RooflineModel, StepShape
+from tidal.sim.simulator import AcceptanceModel, Simulator, Workload, parse_modes
+from tidal.sim.sweep import SweepConfig, simulate
+from tidal.sim.tune import tune
+from tidal.spec.policy import parse_schedule
+
+IDEAL = Efficiency(bandwidth=1.0, flops=1.0)
+
+
+def test_roofline_llama8b_decode_on_one_h100_is_weights_over_bandwidth():
+    m = RooflineModel(HARDWARE["h100x8"], MODELS["llama-3.1-8b"], tp=1, efficiency=IDEAL)
+    # per layer: q and o 4096x4096, k and v 4096x1024, MLP 3 x 4096x14336; plus the lm_head
+    params = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 4096 * 128256
+    assert params == 7_504_658_432
+    kv_one_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 heads of 128, bf16
+    expected = (params * 2 + kv_one_token) / 3.35e12 + 1e-3  # + the preset's launch overhead
+    got = m.step_time(StepShape(tokens=1, seqs=1, context=0, logits=1, attention_pairs=1))
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert got == pytest.approx(5.48e-3, abs=0.01e-3)  # 15.0 GB at 3.35 TB/s = 4.48 ms, + 1 ms
+
+
+def test_roofline_compute_bound_and_tensor_parallel_terms():
+    one = RooflineModel(HARDWARE["h100x8"], MODELS["llama-3.1-8b"], tp=1, efficiency=IDEAL)
+    big = StepShape(tokens=8192, seqs=8, context=8192, logits=8, attention_pairs=8 * 1024 * 1025 // 2)
+    flops = 2 * 8192 * (one.model.active_params - one.model.lm_head_params) + 2 * 8 * one.model.lm_head_params \
+        + 4 * 32 * 32 * 128 * big.attention_pairs
+    assert one.step_time(big) == pytest.approx(flops / 989e12 + 1e-3, rel=1e-9)  # compute bound
+    eight = RooflineModel(HARDWARE["h100x8"], MODELS["llama-3.1-8b"], efficiency=IDEAL)
+    decode = StepShape(tokens=1, seqs=1, context=0, logits=1, attention_pairs=1)
+    comm = 64 * (10e-6 + 2 * 7 / 8 * 4096 * 2 / 450e9)  # 2 ring all-reduces per layer
+    memory = (7_504_658_432 * 2 / 8 + 2 * 32 * 1 * 128 * 2) / 3.35e12  # weights and one KV head per GPU
+    assert eight.step_time(decode) == pytest.approx(memory + comm + 1e-3, rel=1e-9)
+
+
+def test_moe_reads_more_experts_as_the_batch_grows():
+    assert expected_distinct_experts(128, 8, 1) == pytest.approx(8)
+    assert expected_distinct_experts(128, 8, 1000) == pytest.approx(128, rel=1e-6)
+    m = RooflineModel(HARDWARE["h100x8"], MODELS["qwen3-30b-a3b"], tp=1)
+    assert m.weight_bytes_read(1) < m.weight_bytes_read(16) < m.weight_bytes_read(4096)
+    assert m.model.active_params < 0.15 * m.model.total_params
+
+
+class Flat:
+    """Verification is free: a step costs the same whatever it feeds; drafting costs nothing."""
+
+    def step_time(self, shape):
+        return 0.01
+
+    def draft_time(self, ks, catch_up):
+        return 0.0
+
+
+class PerToken:
+    """Every token fed costs 1 ms, so a draft (worth < 1 token) never pays."""
+
+    def step_time(self, shape):
+        return 1e-3 * shape.tokens
+
+    def draft_time(self, ks, catch_up):
+        return 0.0
+
+
+def _sim(model, mode, acceptance=0.8, concurrency=4, prompts=8, input_len=32, output_len=32, seed=0):
+    sim = Simulator(model, parse_modes(mode)[0], AcceptanceModel((acceptance,)), SchedulerConfig(64, 2048),
+                    num_blocks=4096, seed=seed)
+    return sim.run(Workload(concurrency, prompts, input_len, output_len))
+
+
+def test_adaptive_takes_k_max_when_verification_is_free():
+    run = _sim(Flat(), "adaptive:4", acceptance=0.8)
+    capped = sum(k < 4 for k in run.chosen_k)  # only where the request may emit fewer than 5 tokens
+    assert run.chosen_k and capped <= 8 * 3
+    assert sum(k == 4 for k in run.chosen_k) >= 0.8 * len(run.chosen_k)
+
+
+def test_adaptive_takes_zero_when_verification_is_expensive():
+    run = _sim(PerToken(), "adaptive:4", acceptance=0.8)
+    assert run.chosen_k and set(run.chosen_k) == {0}
+    assert run.num_verifications == 0
+
+
+def test_off_and_fixed_emit_the_expected_tokens():
+    off = _sim(Flat(), "off", concurrency=1, prompts=1, output_len=16)
+    assert off.num_steps == 16 and [t.num_tokens for t in off.traces] == [16]  # prefill gives the first
+    assert off.duration == pytest.approx(0.16)
+    full = _sim(Flat(), "fixed:3", acceptance=1.0, concurrency=1, prompts=1, output_len=16)
+    assert [t.num_tokens for t in full.traces] == [16]
+    assert [n for _, n in full.traces[0].chunks] == [1, 4, 4, 4, 3]  # the last draft capped at what is left
+    assert make_record("fixed:3", 1, full).acceptance_length == pytest.approx(15 / 4)
+    none = _sim(Flat(), "fixed:3", acceptance=0.0, concurrency=1, prompts=1, output_len=16)
+    assert none.num_steps == 16 and make_record("fixed:3", 1, none).acceptance_length == 1.0
+
+
+def test_closed_loop_keeps_concurrency_and_is_reproducible():
+    a = _sim(Flat(), "fixed:2", acceptance=0.6, concurrency=3, prompts=7, seed=5)
+    b = _sim(Flat(), "fixed:2", acceptance=0.6, concurrency=3, prompts=7, seed=5)
+    assert len(a.traces) == 7 and all(t.num_tokens == 32 for t in a.traces)
+    assert [t.chunks for t in a.traces] == [t.chunks for t in b.traces]
+    assert sorted(t.arrival for t in a.traces)[:3] == [0.0, 0.0, 0.0]  # three in flight from the start
+    c = _sim(Flat(), "fixed:2", acceptance=0.6, concurrency=3, prompts=7, seed=6)
+    assert [t.chunks for t in a.traces] != [t.chunks for t in c.traces]
+
+
+def test_schedule_mode_follows_the_batch_size():
+    run = _sim(Flat(), 'schedule:"1-2:3,3-:0"', concurrency=4, prompts=4)
+    assert set(run.chosen_k) == {0}
+    run = _sim(Flat(), 'schedule:"1-2:3,3-:0"', concurrency=1, prompts=2)
+    assert set(run.chosen_k) - {0, 1, 2} == {3}
+
+
+def test_measured_profile_is_fitted_by_the_engines_cost_model():
+    points = [(t, s, s * 100, 0.002 + 1e-4 * t + 1e-6 * s * 100) for t in (1, 2, 4, 8, 16, 64, 256) for s in (1, 4)]
+    m = MeasuredModel(points)
+    assert m.step_time(StepShape(16, 4, 400)) == pytest.approx(0.002 + 16e-4 + 4e-4, rel=0.05)
+    assert m.draft_time([3], 5) == 0.0  # no draft points: a drafter with no cost
+    rec = simulate(m, parse_modes("off")[0], 2, SweepConfig((2,), input_len=16, output_len=8))
+    assert rec.output_tok_s > 0 and rec.num_requests == 8
+
+
+def test_parsers():
+    assert parse_concurrency("1,2,4,...,250") == (1, 2, 4, 8, 16, 32, 64, 128, 250)
+    assert [m.label for m in parse_modes('off,fixed:3,schedule:"1-4:4,5-:0",adaptive')] == \
+        ["off", "fixed:3", "schedule:1-4:4,5-:0", "adaptive"]
+    assert parse_modes("adaptive")[0].max_k == 4 and parse_modes("schedule:1-4:4,5-:0")[0].max_k == 4
+    assert [p.mode.label for p in parse_points("off@1=92.6,eagle3@1=77.5", 3)] == ["off", "eagle3"]
+    with pytest.raises(ValueError):
+        parse_points("adaptive@4=10")
+
+
+def test_calibration_reproduces_the_8_gpu_report():
+    """RTX PRO 6000 x8 over PCIe: plain 92.6 tok/s at 1 request, 772.1 at 250; EAGLE-3 77.5 at 1."""
+    model = RooflineModel(HARDWARE["rtx-pro-6000x8-pcie"], MODELS["llama-3.1-70b"], dtype="fp8")
+    cal = calibrate(model, parse_points("off@1=92.6,off@250=772.1,eagle3@1=77.5", 3), SweepConfig((1, 250)))
+    for point, predicted in cal.predictions:
+        assert predicted == pytest.approx(point.tok_s, rel=0.03), cal.table()
+    e = cal.model.efficiency
+    assert 0 < e.bandwidth < 1 and 0 < e.flops < 1
+    # the fitted model predicts what a fresh simulation measures, not just the re-timed traces
+    rec = simulate(cal.model, parse_modes("off")[0], 1, SweepConfig((1,)))
+    assert rec.output_tok_s == pytest.approx(92.6, rel=0.03)
+
+
+def _check_vllm_schedule(config: dict) -> None:
+    """The rules vLLM's dynamic speculative decoding checks its schedule against."""
+    entries = config["num_speculative_tokens_per_batch_size"]
+    assert isinstance(entries, list) and entries
+    assert all(isinstance(e, list) and len(e) == 3 and all(type(v) is int for v in e) for e in entries)
+    assert entries[0][0] == 1
+    assert all(0 < s <= e for s, e, _ in entries) and all(k >= 0 for *_, k in entries)
+    assert all(a[1] < b[0] for a, b in zip(entries, entries[1:]))
+    assert config["num_speculative_tokens"] == max(k for *_, k in entries) > 0
+
+
+def test_tune_emits_vllm_sglang_and_tidal_schedules(capsys):
+    assert main(["tune", "--hardware", "h100x8", "--model", "llama-3.1-8b", "--concurrency", "1,16,64",
+                 "--max-k", "3", "--input-len", "64", "--output-len", "16", "--num-prompts", "64",
+                 "--acceptance", "0.8", "--max-num-seqs", "128"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    config = out["vllm"]["speculative_config"]
+    _check_vllm_schedule(config)
+    assert config["num_speculative_tokens_per_batch_size"][-1][1] == 128
+    parse_schedule(out["tidal"]["spec_schedule"])
+    assert out["sglang"]["args"][:2] == ["--speculative-algorithm", "EAGLE3"]
+
+
+def test_tune_from_records_and_when_speculation_never_pays():
+    recs = [dict(target=t, concurrency=c, output_tok_s=v) for t, c, v in
+            [("off", 1, 10), ("fixed:3", 1, 20), ("fixed:1", 1, 15), ("off", 16, 100), ("fixed:1", 16, 110),
+             ("fixed:3", 16, 90), ("off", 64, 300), ("fixed:1", 64, 290), ("adaptive", 64, 999)]]
+    out = tune(recs, 256)
+    assert out["tidal"]["spec_schedule"] == "1-4:3,5-32:1,33-:0"
+    assert out["vllm"]["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 4, 3], [5, 32, 1], [33, 256, 0]]
+    assert out["sglang"]["adaptive_config"] == {"1": {"candidate_steps": [3]}, "5": {"candidate_steps": [1]},
+                                                "33": {"candidate_steps": [0]}}
+    never = tune([dict(target="off", concurrency=1, output_tok_s=10), dict(target="fixed:2", concurrency=1, output_tok_s=5)])
+    assert never["vllm"]["speculative_config"] is None and never["tidal"]["spec_schedule"] == "1-:0"
+
+
+def test_sim_command_prints_the_table_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "sim.json"
+    assert main(["sim", "--hardware", "rtx-pro-6000x8-pcie", "--model", "llama-3.1-8b", "--speculation",
+                 "off,fixed:3,adaptive", "--concurrency", "1,4", "--input-len", "64", "--output-len", "32",
+                 "--num-prompts", "8", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "SIMULATED" in out and "| 4 |" in out and "fixed:3 / off" in out
+    records = json.loads(path.read_text())["records"]
+    assert {(r["target"], r["concurrency"]) for r in records} == {(t, c) for t in ("off", "fixed:3", "adaptive") for c in (1, 4)}
+    for r in records:
+        assert set(r["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and r["errors"] == 0
+        assert math.isfinite(r["output_tok_s"]) and r["output_tok_s"] > 0

@@ -1,0 +1,180 @@
+"""The `tidal sim` and `tidal tune` commands: arguments and handlers (argparse only at import)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def parse_concurrency(text: str) -> tuple[int, ...]:
+    """'1,2,4,...,250' -> 1, 2, 4, 8, ..., 128, 250 (the ratio of the two values before '...'
+    continues up to the value after it); plain lists are taken as given."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    out: list[int] = []
+    for i, p in enumerate(parts):
+        if p != "...":
+            out.append(int(p))
+            continue
+        if len(out) < 2 or i + 1 >= len(parts) or out[-1] <= out[-2]:
+            raise ValueError("'...' needs two increasing values before it and one after it")
+        ratio, end = out[-1] / out[-2], int(parts[i + 1])
+        while round(out[-1] * ratio) < end:
+            out.append(round(out[-1] * ratio))
+    if not out or min(out) < 1:
+        raise ValueError("concurrency levels must be >= 1")
+    return tuple(sorted(set(out)))
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    from tidal.sim.presets import HARDWARE, MODELS
+
+    p.add_argument("--hardware", default="h100x8", choices=sorted(HARDWARE))
+    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: every GPU of the server)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"], help="weight dtype")
+    p.add_argument("--drafter", default="eagle3", choices=["eagle3", "none"],
+                   help="draft cost: an EAGLE-3 head of the target's width, or none (n-gram)")
+    p.add_argument("--profile", default=None,
+                   help="measured step times (CSV tokens,seqs,context,seconds or JSON) instead of the roofline")
+    p.add_argument("--measured", default=None,
+                   help="calibrate the roofline first on LABEL@CONCURRENCY=TOK_S points, e.g. off@1=92.6,eagle3@1=77.5")
+    p.add_argument("--calibrate-k", type=int, default=3, help="K of the measured speculative points (eagle3@C = fixed:K)")
+    p.add_argument("--acceptance", default="0.7",
+                   help="per-position acceptance, e.g. 0.8,0.6,0.5 (P(draft i accepted | drafts < i were)), or one constant")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per level (default: 4 x concurrency, at least 8)")
+    p.add_argument("--concurrency", default="1,2,4,...,256", help="levels, e.g. 1,2,4,...,250")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks of 16 tokens (default: what fits beside the weights; with --profile: enough for all)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_sim_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    _model_arguments(p)
+    p.add_argument("--speculation", default="off,fixed:3,adaptive",
+                   help='modes to compare: off, fixed:K, adaptive[:K], schedule:"1-4:4,5-:0"')
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="K of a bare fixed or adaptive")
+    p.add_argument("--calibrate", action="store_true", help="fit the roofline's constants to --measured, then sweep")
+    p.add_argument("--json", default=None, help="write the records (and the model) to this JSON file")
+    p.add_argument("--plot", default=None, help="write a PNG plot of tok/s vs concurrency")
+    return p
+
+
+def add_tune_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    _model_arguments(p)
+    p.add_argument("--from", dest="from_json", default=None,
+                   help="a sweep's JSON (tidal sim --json or tidal bench) with off and fixed:K targets, instead of simulating")
+    p.add_argument("--max-k", type=int, default=4, help="simulate off and fixed:1..max-k")
+    p.add_argument("--method", default="eagle3", help="vLLM speculative method to name in the config")
+    p.add_argument("--draft-model", default=None, help="draft model path or id to name in the emitted settings")
+    return p
+
+
+# ------------------------------------------------------------------ handlers
+
+
+def _sweep_config(args, max_k: int):
+    from tidal.config import SchedulerConfig
+    from tidal.sim.simulator import AcceptanceModel
+    from tidal.sim.sweep import SweepConfig
+
+    return SweepConfig(parse_concurrency(args.concurrency), args.input_len, args.output_len, args.num_prompts,
+                       AcceptanceModel.parse(args.acceptance),
+                       SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens), args.num_blocks, 16, args.seed)
+
+
+def _step_model(args, config, calibrate: bool):
+    """The roofline (calibrated when asked) or the measured profile; and its KV block count."""
+    from dataclasses import replace
+
+    from tidal.sim.measured import MeasuredModel
+    from tidal.sim.presets import HARDWARE, MODELS
+    from tidal.sim.roofline import RooflineModel
+
+    if args.profile:
+        if calibrate:
+            raise ValueError("--calibrate fits the roofline; it does not go with --profile")
+        return MeasuredModel.load(args.profile), config
+    model = RooflineModel(HARDWARE[args.hardware], MODELS[args.model], args.tp, args.dtype, drafter=args.drafter)
+    if config.num_blocks is None:
+        config = replace(config, num_blocks=model.kv_capacity_tokens() // config.block_size)
+    if calibrate:
+        from tidal.sim.calibrate import calibrate as fit, parse_points
+
+        if not args.measured:
+            raise ValueError("--calibrate needs --measured points")
+        cal = fit(model, parse_points(args.measured, args.calibrate_k), config)
+        print("calibration (simulated vs measured):")
+        print(cal.table())
+        model = cal.model
+    print(model.describe())
+    return model, config
+
+
+def _progress(record) -> None:
+    print(f"  {record.target} @ {record.concurrency}: {record.output_tok_s:.1f} tok/s", file=sys.stderr, flush=True)
+
+
+def run_sim(args) -> int:
+    """`tidal sim`: print the sweep table (and the crossovers); optionally JSON and a plot."""
+    from tidal.sim.report import crossovers, format_table
+    from tidal.sim.simulator import parse_modes
+    from tidal.sim.sweep import sweep
+
+    modes = parse_modes(args.speculation, args.num_speculative_tokens)
+    config = _sweep_config(args, max(m.max_k for m in modes))
+    model, config = _step_model(args, config, args.calibrate or bool(args.measured))
+    print(f"acceptance per position: {args.acceptance}; {args.input_len} in / {args.output_len} out; "
+          f"closed loop, {config.num_prompts or '4 x C (>= 8)'} requests per level")
+    records = sweep(model, modes, config, progress=_progress)
+    print("\nSIMULATED (not measured):")
+    print(format_table(records))
+    base = modes[0].label
+    for target, c in crossovers(records, base).items():
+        where = "never falls behind" if c is None else ("never gets ahead" if c == 1 else f"falls behind from concurrency {c}")
+        print(f"{target} vs {base}: {where}")
+    if args.json:
+        out = {"simulated": True, "model": model.describe(), "command": " ".join(sys.argv),
+               "records": [r.to_dict() for r in records]}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.plot:
+        from tidal.sim.report import plot
+
+        plot(records, args.plot)
+    return 0
+
+
+def run_tune(args) -> int:
+    """`tidal tune`: print the schedules as one JSON object."""
+    from tidal.sim.simulator import parse_modes
+    from tidal.sim.sweep import sweep
+    from tidal.sim.tune import tune
+
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        records = data["records"] if isinstance(data, dict) else data
+    else:
+        if not 1 <= args.max_k <= 15:
+            raise ValueError("--max-k must be in 1..15")
+        modes = parse_modes(",".join(["off"] + [f"fixed:{k}" for k in range(1, args.max_k + 1)]))
+        config = _sweep_config(args, args.max_k)
+        with _stdout_to_stderr():
+            model, config = _step_model(args, config, bool(args.measured))
+            records = sweep(model, modes, config, progress=_progress)
+    print(json.dumps(tune(records, args.max_num_seqs, args.method, args.draft_model), indent=1))
+    return 0
+
+
+class _stdout_to_stderr:
+    """Keeps stdout pure JSON for `tidal tune`: model descriptions go to stderr."""
+
+    def __enter__(self):
+        self._stdout, sys.stdout = sys.stdout, sys.stderr
+
+    def __exit__(self, *exc):
+        sys.stdout = self._stdout
