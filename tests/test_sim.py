@@ -203,3 +203,20 @@ def test_sim_command_prints_the_table_and_writes_json(tmp_path, capsys):
     for r in records:
         assert set(r["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and r["errors"] == 0
         assert math.isfinite(r["output_tok_s"]) and r["output_tok_s"] > 0
+
+
+def test_acceptance_curve_from_metrics_pages():
+    tidal_page = "\n".join([
+        "# HELP tidal:spec_decode_num_drafted_tokens_per_pos_total Draft tokens verified, by draft position.",
+        'tidal:spec_decode_num_drafted_tokens_per_pos_total{model_name="m",position="0"} 100.0',
+        'tidal:spec_decode_num_drafted_tokens_per_pos_total{model_name="m",position="1"} 50.0',
+        'tidal:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 80.0',
+        'tidal:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 24.0'])
+    assert AcceptanceModel.from_metrics(tidal_page).curve == pytest.approx((0.8, 0.6))  # 0.48 / 0.8
+    vllm_page = "\n".join([
+        'vllm:spec_decode_num_drafts_total{model_name="m"} 200.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 150.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 90.0'])
+    assert AcceptanceModel.from_metrics(vllm_page).curve == pytest.approx((0.75, 0.6))
+    a = AcceptanceModel((0.8, 0.6))
+    assert a.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.48)

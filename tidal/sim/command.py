@@ -42,7 +42,8 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibrate the roofline first on LABEL@CONCURRENCY=TOK_S points, e.g. off@1=92.6,eagle3@1=77.5")
     p.add_argument("--calibrate-k", type=int, default=3, help="K of the measured speculative points (eagle3@C = fixed:K)")
     p.add_argument("--acceptance", default="0.7",
-                   help="per-position acceptance, e.g. 0.8,0.6,0.5 (P(draft i accepted | drafts < i were)), or one constant")
+                   help="per-position acceptance, e.g. 0.8,0.6,0.5 (P(draft i accepted | drafts < i were)), "
+                   "one constant, or a saved /metrics page of tidal or vLLM to read it from")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=None, help="requests per level (default: 4 x concurrency, at least 8)")

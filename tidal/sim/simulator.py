@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from tidal.config import SchedulerConfig
@@ -74,6 +76,10 @@ def parse_modes(text: str, default_k: int = 4) -> list[SpecMode]:
     return [parse_mode(p, default_k) for p in parts if p.strip()]
 
 
+_METRIC = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)$", re.M)
+_POSITION = re.compile(r'position="(\d+)"')
+
+
 @dataclass(frozen=True)
 class AcceptanceModel:
     """Per-position conditional acceptance: draft position i is accepted with probability
@@ -87,8 +93,37 @@ class AcceptanceModel:
 
     @classmethod
     def parse(cls, text: str) -> "AcceptanceModel":
-        """'0.8,0.6,0.5' or one constant '0.7'."""
+        """'0.8,0.6,0.5', one constant '0.7', or the path of a saved /metrics page."""
+        if Path(text).is_file():
+            return cls.from_metrics(Path(text).read_text())
         return cls(tuple(float(x) for x in text.split(",") if x.strip()))
+
+    @classmethod
+    def from_metrics(cls, text: str) -> "AcceptanceModel":
+        """From a Prometheus scrape of tidal (drafted and accepted tokens per position) or vLLM
+        (accepted per position and the number of drafts). A position's unconditional rate is
+        accepted / drafted there; the conditional one divides by the previous position's, which
+        assumes how far a request drafts does not depend on whether its drafts are accepted."""
+        accepted, drafted, num_drafts = {}, {}, None
+        for name, labels, value in _METRIC.findall(text):
+            pos = _POSITION.search(labels)
+            if name.endswith("spec_decode_num_accepted_tokens_per_pos_total") and pos:
+                accepted[int(pos.group(1))] = float(value)
+            elif name.endswith("spec_decode_num_drafted_tokens_per_pos_total") and pos:
+                drafted[int(pos.group(1))] = float(value)
+            elif name.endswith("spec_decode_num_drafts_total"):
+                num_drafts = float(value)
+        curve, prev = [], 1.0
+        for i in sorted(accepted):
+            n = drafted.get(i, num_drafts)
+            if not n or i != len(curve):
+                break
+            rate = accepted[i] / n
+            curve.append(min(1.0, rate / prev) if prev > 0 else 0.0)
+            prev = rate
+        if not curve:
+            raise ValueError("no per-position acceptance counters in that metrics page")
+        return cls(tuple(curve))
 
     def sample(self, num_drafts: int, rng: random.Random) -> int:
         """Accepted drafts: the length of the accepted prefix of `num_drafts` drafts."""
