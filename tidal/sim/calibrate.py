@@ -26,6 +26,8 @@ from tidal.sim.sweep import SweepConfig
 
 @dataclass(frozen=True)
 class MeasuredPoint:
+    """A measured output tok/s of one speculation mode at one concurrency."""
+
     label: str
     mode: SpecMode
     concurrency: int
@@ -151,10 +153,13 @@ def nelder_mead(f, x0: list[float], step: float = 1.0, iters: int = 2000, tol: f
 
 @dataclass
 class Calibration:
+    """The fitted model and how it reproduces each measured point."""
+
     model: RooflineModel  # with the fitted efficiency
     predictions: list[tuple[MeasuredPoint, float]]  # (measured, predicted tok/s)
 
     def table(self) -> str:
+        """Markdown: measured vs simulated tok/s per point."""
         lines = ["| point | measured tok/s | simulated tok/s | error |", "|---|---|---|---|"]
         for p, pred in self.predictions:
             lines.append(f"| {p.label}@{p.concurrency} | {p.tok_s:.1f} | {pred:.1f} | {100 * (pred / p.tok_s - 1):+.1f}% |")

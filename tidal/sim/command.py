@@ -56,6 +56,7 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `tidal sim` options."""
     _model_arguments(p)
     p.add_argument("--speculation", default="off,fixed:3,adaptive",
                    help='modes to compare: off, fixed:K, adaptive[:K], schedule:"1-4:4,5-:0"')
@@ -67,6 +68,7 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `tidal tune` options."""
     _model_arguments(p)
     p.add_argument("--from", dest="from_json", default=None,
                    help="a sweep's JSON (tidal sim --json or tidal bench) with off and fixed:K targets, instead of simulating")

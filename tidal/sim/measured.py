@@ -50,12 +50,15 @@ class MeasuredModel:
         return cls(steps, drafts)
 
     def step_time(self, shape: StepShape) -> float:
+        """StepCostModel's prediction for the step's tokens, sequences and context."""
         return self.step_cost.predict(shape.tokens, shape.seqs, shape.context)
 
     def draft_time(self, ks: list[int], catch_up: int) -> float:
+        """DraftCostModel's prediction (0 when the profile has no draft points)."""
         if not self.has_drafts:
             return 0.0
         return self.draft_cost.predict(max(ks, default=0), sum(ks), catch_up)
 
     def describe(self) -> str:
+        """One line saying where the step times come from."""
         return f"measured profile: {self.step_cost.num_samples} step points fitted by StepCostModel"

@@ -71,6 +71,7 @@ class ModelSpec:
 
     @property
     def is_moe(self) -> bool:
+        """A mixture of experts (num_experts > 0)."""
         return self.num_experts > 0
 
     @property
@@ -86,10 +87,12 @@ class ModelSpec:
 
     @property
     def router_params(self) -> int:
+        """The MoE router of one layer (0 for a dense model)."""
         return self.hidden_size * self.num_experts
 
     @property
     def lm_head_params(self) -> int:
+        """The output projection (untied from the input embedding, as in Llama-3.1)."""
         return self.hidden_size * self.vocab_size
 
     @property

@@ -34,6 +34,7 @@ class SimRecord:
     simulated: bool = True
 
     def to_dict(self) -> dict:
+        """The record as plain JSON-able data."""
         return asdict(self)
 
 

@@ -86,20 +86,24 @@ class RooflineModel:
             raise ValueError(f"tensor parallel size must be in 1..{self.hardware.num_gpus}")
 
     def with_efficiency(self, efficiency: Efficiency) -> "RooflineModel":
+        """The same hardware and model with other constants."""
         return replace(self, efficiency=efficiency)
 
     # ------------------------------------------------------------ pieces
 
     @property
     def weight_bytes(self) -> int:
+        """Bytes per weight."""
         return 1 if self.dtype == "fp8" else 2
 
     @property
     def peak_flops(self) -> float:
+        """Dense tensor FLOP/s per GPU at the weight dtype."""
         return self.hardware.flops_fp8 if self.dtype == "fp8" else self.hardware.flops_bf16
 
     @property
     def kv_bytes_per_token_per_gpu(self) -> float:
+        """K and V bytes of one token on one GPU: heads are split, but never below one per GPU."""
         m = self.model
         return m.kv_bytes_per_token(2) / min(self.tp, m.num_kv_heads)
 
@@ -142,6 +146,7 @@ class RooflineModel:
         return self.time(self.step_terms(shape))
 
     def step_terms(self, shape: StepShape) -> Terms:
+        """FLOPs, bytes and all-reduce seconds of one target forward, per GPU."""
         m = self.model
         logits = shape.logits or shape.seqs
         kv = self.kv_bytes_per_token_per_gpu
@@ -184,6 +189,7 @@ class RooflineModel:
         return int(free / self.kv_bytes_per_token_per_gpu)
 
     def describe(self) -> str:
+        """One line with the model, the hardware and the constants in use."""
         e = self.efficiency
         return (f"roofline {self.model.name} {self.dtype} on {self.hardware.name} tp={self.tp}: "
                 f"bandwidth x{e.bandwidth:.3g}, FLOP/s x{e.flops:.3g}, "

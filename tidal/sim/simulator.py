@@ -29,6 +29,8 @@ from tidal.spec.policy import RequestView, SpecPolicy, parse_schedule
 
 
 class StepTimeModel(Protocol):
+    """What the simulator asks of a step-time model (RooflineModel, MeasuredModel)."""
+
     def step_time(self, shape: StepShape) -> float: ...
 
     def draft_time(self, ks: list[int], catch_up: int) -> float: ...
@@ -233,6 +235,7 @@ class Simulator:
     # ------------------------------------------------------------ one step (LLMEngine.step)
 
     def step(self) -> None:
+        """One engine step on simulated time (see the module docstring)."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             raise RuntimeError("nothing could be scheduled: the KV cache is too small for one request")

@@ -99,7 +99,9 @@ def sglang_settings(ranges, algorithm: str = "EAGLE3", draft_model: str | None =
     args += ["--speculative-num-steps", str(k_static), "--speculative-eagle-topk", "1",
              "--speculative-num-draft-tokens", str(k_static + 1)]
     return {"args": args, "adaptive_args": ["--speculative-adaptive", "--speculative-adaptive-config", "ADAPTIVE.json"],
-            "adaptive_config": adaptive if len(ranges) > 1 else None}
+            "adaptive_config": adaptive if len(ranges) > 1 else None,
+            "note": "adaptive_args with adaptive_config saved as ADAPTIVE.json switch K by batch size on SGLang "
+                    "versions that have --speculative-adaptive (EAGLE/EAGLE3, topk 1); older ones take args only"}
 
 
 def tune(records, max_batch_size: int = 256, method: str = "eagle3", draft_model: str | None = None) -> dict:
