@@ -220,3 +220,15 @@ def test_acceptance_curve_from_metrics_pages():
     assert AcceptanceModel.from_metrics(vllm_page).curve == pytest.approx((0.75, 0.6))
     a = AcceptanceModel((0.8, 0.6))
     assert a.expected_tokens(2) == pytest.approx(1 + 0.8 + 0.48)
+
+
+def test_measured_json_profile_with_drafts_and_knots(tmp_path):
+    steps = [[t, 1, 64, 0.01 + (0.0 if t <= 16 else 1e-3 * (t - 16))] for t in (1, 4, 8, 16, 17, 32, 64)]
+    drafts = [[f, f, c, 1e-3 + 2e-3 * f + 1e-5 * c] for f in (1, 2, 4) for c in (1, 50)]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"steps": steps, "drafts": drafts, "knots": [1, 2, 4, 8, 16, 17, 32, 64]}))
+    m = MeasuredModel.load(path)
+    assert m.knots == (1, 2, 4, 8, 16, 17, 32, 64)
+    assert m.step_time(StepShape(16, 1, 64)) == pytest.approx(0.01, rel=0.02)
+    assert m.step_time(StepShape(48, 1, 64)) == pytest.approx(0.042, rel=0.02)  # the bend after 16 is kept
+    assert m.draft_time([2], 10) == pytest.approx(1e-3 + 4e-3 + 1e-4, rel=0.02)

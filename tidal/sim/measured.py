@@ -2,7 +2,9 @@
 
 The file is CSV with a header `tokens,seqs,context,seconds` (optional further rows may be draft
 points, see below), or JSON: {"steps": [[tokens, seqs, context, seconds], ...],
-"drafts": [[forwards, tokens, catch_up, seconds], ...]}. A CSV row whose `kind` column is
+"drafts": [[forwards, tokens, catch_up, seconds], ...], "knots": [1, 2, 4, ...]} (knots: the
+token counts where the step time may bend, default StepCostModel's; the engine adds 16 and 17
+on CPUs with the int4 kernel, and the simulated policy's cost model uses them too). A CSV row whose `kind` column is
 "draft" reads its columns as forwards, tokens, catch_up, seconds. Without draft points the
 drafter costs nothing (an n-gram drafter, or a profile that did not time it).
 """
@@ -24,6 +26,7 @@ class MeasuredModel:
                  knots=DEFAULT_KNOTS):
         if not steps:
             raise ValueError("a measured profile needs at least one step point")
+        self.knots = tuple(knots)
         # the window must hold every point: these are the whole profile, not a recent slice
         self.step_cost = StepCostModel(knots, window=len(steps))
         for tokens, seqs, context, seconds in steps:
@@ -40,7 +43,8 @@ class MeasuredModel:
         text = path.read_text()
         if path.suffix == ".json":
             data = json.loads(text)
-            return cls([tuple(p) for p in data["steps"]], [tuple(p) for p in data.get("drafts", [])])
+            return cls([tuple(p) for p in data["steps"]], [tuple(p) for p in data.get("drafts", [])],
+                       data.get("knots", DEFAULT_KNOTS))
         steps, drafts = [], []
         for row in csv.DictReader(text.splitlines()):
             if row.get("kind") == "draft":

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tidal.config import SchedulerConfig
 from tidal.sim.report import SimRecord, make_record
 from tidal.sim.simulator import AcceptanceModel, Simulator, SpecMode, StepTimeModel, Workload
+from tidal.spec.cost import DEFAULT_KNOTS
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,10 @@ class SweepConfig:
 
 
 def simulate(model: StepTimeModel, mode: SpecMode, concurrency: int, config: SweepConfig) -> SimRecord:
-    """One sweep point, from a fresh simulator (as a freshly started server would be)."""
+    """One sweep point, from a fresh simulator (as a freshly started server would be); the
+    policy's cost model gets the step model's knots where it has them (a measured profile)."""
     sim = Simulator(model, mode, config.acceptance, config.scheduler, config.blocks(concurrency, mode.max_k),
-                    config.block_size, config.seed)
+                    config.block_size, config.seed, getattr(model, "knots", DEFAULT_KNOTS))
     return make_record(mode.label, concurrency, sim.run(config.workload(concurrency)))
 
 
