@@ -137,7 +137,8 @@ def test_parsers():
     assert [m.label for m in parse_modes('off,fixed:3,schedule:"1-4:4,5-:0",adaptive')] == \
         ["off", "fixed:3", "schedule:1-4:4,5-:0", "adaptive"]
     assert parse_modes("adaptive")[0].max_k == 4 and parse_modes("schedule:1-4:4,5-:0")[0].max_k == 4
-    assert [p.mode.label for p in parse_points("off@1=92.6,eagle3@1=77.5", 3)] == ["off", "eagle3"]
+    assert [(p.label, p.mode.label) for p in parse_points("off@1=92.6,eagle3@1=77.5", 3)] == \
+        [("off", "off"), ("eagle3", "fixed:3")]
     with pytest.raises(ValueError):
         parse_points("adaptive@4=10")
 

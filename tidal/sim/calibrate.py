@@ -44,7 +44,7 @@ def parse_points(text: str, spec_k: int = 3) -> list[MeasuredPoint]:
             where, value = part.rsplit("=", 1)
             label, conc = where.strip().rsplit("@", 1)
             mode = parse_mode(label) if label.split(":")[0] in ("off", "fixed", "schedule", "adaptive") \
-                else SpecMode(label, "fixed", spec_k)
+                else SpecMode(f"fixed:{spec_k}", "fixed", spec_k)
             point = MeasuredPoint(label, mode, int(conc), float(value))
         except ValueError as e:
             raise ValueError(f"bad measured point {part!r}: want LABEL@CONCURRENCY=TOK_PER_S ({e})") from None
@@ -162,7 +162,8 @@ class Calibration:
         """Markdown: measured vs simulated tok/s per point."""
         lines = ["| point | measured tok/s | simulated tok/s | error |", "|---|---|---|---|"]
         for p, pred in self.predictions:
-            lines.append(f"| {p.label}@{p.concurrency} | {p.tok_s:.1f} | {pred:.1f} | {100 * (pred / p.tok_s - 1):+.1f}% |")
+            label = p.label if p.label == p.mode.label else f"{p.label} ({p.mode.label})"
+            lines.append(f"| {label}@{p.concurrency} | {p.tok_s:.1f} | {pred:.1f} | {100 * (pred / p.tok_s - 1):+.1f}% |")
         return "\n".join(lines)
 
 
