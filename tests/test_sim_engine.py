@@ -69,3 +69,73 @@ def test_simulated_steps_equal_the_engines(tiny_model_dir):
     assert [t.num_tokens for t in run.traces] == [OUTPUT_LEN] * NUM_PROMPTS
     assert engine_steps(tiny_model_dir) == rec.shapes
     assert run.duration == pytest.approx(0.01 * len(rec.shapes))
+
+
+class KnowingDrafter:
+    """Drafts the target's own greedy continuation (every request has the same prompt, so the
+    same one), wrong wherever the output position is 2 mod 3, so verifications accept 0..k
+    drafts; catches up like the EAGLE-3 drafter, so the policy sees the same catch-up."""
+
+    def __init__(self, continuation):
+        self.continuation = continuation
+
+    def propose(self, seqs, ks):
+        drafts = []
+        for seq, k in zip(seqs, ks):
+            if k:
+                seq.draft_num_computed = seq.num_computed_tokens
+            n = len(seq.output_token_ids)
+            drafts.append([self.continuation[i] if i % 3 != 2 else self.continuation[i] + 1
+                           for i in range(n, n + k)])
+        return drafts, None
+
+    def catch_up(self, seq):
+        return seq.num_computed_tokens - seq.draft_num_computed
+
+
+class Replay:
+    """An acceptance model that replays the engine's verifications in order."""
+
+    def __init__(self, verifications):
+        self.verifications = list(verifications)
+
+    def sample(self, num_drafts, rng):
+        drafted, accepted = self.verifications.pop(0)
+        assert drafted == num_drafts
+        return accepted
+
+
+@pytest.mark.parametrize("mode", ["fixed:3", "schedule:1-2:3,3-:1"])
+def test_simulated_speculation_equals_the_engines(tiny_model_dir, mode):
+    from tidal.config import SpecConfig
+
+    spec_mode = parse_modes(mode)[0]
+    spec = SpecConfig("ngram", spec_mode.max_k, mode=spec_mode.mode, schedule=spec_mode.schedule)
+    llm = LLM(str(tiny_model_dir), dtype="float32", cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS),
+              scheduler=SCHEDULER, spec=spec)
+    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True)
+    continuation = llm.generate([[1] * INPUT_LEN], SamplingParams(max_tokens=OUTPUT_LEN + 8, temperature=0,
+                                                                  ignore_eos=True))[0].token_ids
+    eng, shapes, verifications, sent = llm.engine, [], [], [0]
+    eng.drafter = KnowingDrafter(continuation)
+    observe, record = eng.step_cost.observe, eng.policy.record
+    eng.step_cost.observe = lambda t, s, c, sec, anchor=False: (shapes.append((t, s, c)), observe(t, s, c, sec, anchor))
+    eng.policy.record = lambda d, a: (verifications.append((d, a)), record(d, a))
+
+    def send():
+        eng.add_request(f"r{sent[0]}", [1] * INPUT_LEN, params)
+        sent[0] += 1
+
+    for _ in range(CONCURRENCY):
+        send()
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished and sent[0] < NUM_PROMPTS:
+                send()
+    assert {a for _, a in verifications} >= {0, 1, 2}, "the case should accept some drafts, not all"
+
+    rec = Recorder()
+    sim = Simulator(rec, spec_mode, Replay(verifications), SCHEDULER, NUM_BLOCKS, BLOCK_SIZE)
+    run = sim.run(Workload(CONCURRENCY, NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN))
+    assert rec.shapes == shapes
+    assert run.num_verifications == len(verifications) and not sim.acceptance.verifications
