@@ -1,0 +1,127 @@
+"""Local `tidal serve` processes for `tidal bench --launch`: started one after another on free
+loopback ports (so one's start-up, including the adaptive policy's timing profile, never
+competes with another's), stopped with SIGTERM then kill, whatever ends the sweep."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tidal.bench.sweep import Target
+
+
+def serve_args(mode: str) -> list[str]:
+    """`tidal serve` arguments for a launch mode: off, fixed:K, adaptive, adaptive:K (K: the
+    most the policy may choose)."""
+    name, _, k = mode.partition(":")
+    if name not in ("off", "fixed", "adaptive") or (name == "off" and k):
+        raise ValueError(f"--launch mode {mode!r}: expected off, fixed:K, adaptive or adaptive:K")
+    if k and not k.isdigit():
+        raise ValueError(f"--launch mode {mode!r}: K must be a whole number")
+    args = ["--speculation", name]
+    if k:
+        args += ["--num-speculative-tokens", k]
+    elif name == "fixed":
+        raise ValueError(f"--launch mode {mode!r}: fixed needs a K, e.g. fixed:4")
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalServer:
+    """One launched server and where its output goes."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+
+def start_server(mode: str, extra_args: list[str], log_dir: Path, threads: int, timeout_s: float) -> LocalServer:
+    """Start `tidal serve` in `mode` and wait until /health answers 200."""
+    port = free_port()
+    log_path = log_dir / f"server-{mode.replace(':', '-')}-{port}.log"
+    cmd = [sys.executable, "-m", "tidal.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--no-access-log", "--log-level", "warning", *serve_args(mode), *extra_args]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    with open(log_path, "wb") as log:
+        # a session of its own: the terminal's Ctrl-C reaches only the bench, which stops it
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = LocalServer(mode, f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        wait_ready(server, timeout_s)
+    except BaseException:
+        stop_servers([server])
+        raise
+    return server
+
+
+def wait_ready(server: LocalServer, timeout_s: float) -> None:
+    """Poll /health until it answers 200; fail early, with the log, if the process exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"tidal serve ({server.name}) exited with {server.proc.returncode}:\n"
+                               f"{server.log_tail()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"tidal serve ({server.name}) not ready in {timeout_s:.0f}s:\n{server.log_tail()}")
+
+
+def stop_servers(servers: list[LocalServer], grace_s: float = 30.0) -> None:
+    """SIGTERM to all, then wait up to `grace_s` for each; kill what is left."""
+    for s in servers:
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for s in servers:
+        try:
+            s.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+            s.proc.wait(10)
+
+
+def default_threads() -> int:
+    """Compute threads per launched server: all cores but one, which the client needs for
+    its streams (torch's threads slow down badly when another process takes one of theirs)."""
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+@contextmanager
+def launched(modes: list[str], extra_args: list[str], log_dir: Path, threads: int | None = None,
+             timeout_s: float = 300.0) -> Iterator[list[Target]]:
+    """Targets for local servers in `modes`, started one at a time and stopped on exit
+    (normal end, error or Ctrl-C)."""
+    for mode in modes:
+        serve_args(mode)  # reject a bad mode before starting anything
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers: list[LocalServer] = []
+    try:
+        for mode in modes:
+            servers.append(start_server(mode, extra_args, log_dir, threads or default_threads(), timeout_s))
+        yield [Target(s.name, s.url) for s in servers]
+    finally:
+        stop_servers(servers)

@@ -1,0 +1,180 @@
+"""`tidal bench`: parse the targets and the dataset, run the sweep (launching local servers if
+asked), and write the table, JSON, CSV, plot and journal, also for a sweep cut short."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import shlex
+import sys
+from contextlib import ExitStack
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+from tidal import __version__
+from tidal.bench import report
+from tidal.bench.records import BenchRecord
+from tidal.bench.sweep import SweepConfig, Target, sweep
+
+EXIT_INTERRUPTED = 130
+
+
+def parse_targets(specs: list[str]) -> list[Target]:
+    """`NAME=URL` (or a bare URL, named by its host:port) for each --target."""
+    targets = []
+    for spec in specs:
+        name, sep, url = spec.partition("=")
+        if not sep:
+            name, url = spec.split("://", 1)[-1].rstrip("/"), spec
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--target {spec!r}: expected NAME=http://HOST:PORT")
+        targets.append(Target(name, url.rstrip("/")))
+    return targets
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency {text!r}: expected whole numbers like 1,2,4,8") from None
+    if not levels or min(levels) < 1:
+        raise ValueError("--concurrency: every level must be >= 1")
+    return levels
+
+
+def load_prompts(args) -> list[str]:
+    """The prompt texts of the chosen dataset (random ones are token-exact for the tokenizer)."""
+    from tidal.bench import datasets
+
+    if args.dataset == "chat":
+        return datasets.chat_prompts()
+    if args.dataset == "sharegpt":
+        if not args.dataset_path:
+            raise ValueError("--dataset sharegpt needs --dataset-path FILE.json")
+        return datasets.sharegpt_prompts(args.dataset_path)
+    tokenizer, vocab_size = datasets.load_tokenizer(args.tokenizer)
+    num = max(args.num_prompts or 0, *(max(8, 2 * c) for c in parse_levels(args.concurrency)))
+    return datasets.random_prompts(tokenizer, vocab_size, num, args.input_len, args.seed)
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = None
+    return {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu,
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch}
+
+
+def command_line(args) -> str:
+    """The command as typed, rebuilt from the arguments that differ from their defaults."""
+    import argparse
+
+    from tidal.cli import _bench_args
+
+    fresh = argparse.ArgumentParser()
+    _bench_args(fresh)
+    defaults = vars(fresh.parse_args([]))
+    parts = ["tidal", "bench"]
+    for key, value in vars(args).items():
+        if key not in defaults or key == "api_key" or value == defaults[key]:
+            continue
+        flag = "--" + key.replace("_", "-")
+        values = value if isinstance(value, list) else [value]
+        parts += [flag] if value is True else [x for v in values for x in (flag, str(v))]
+    return shlex.join(parts)
+
+
+def main(args) -> int:
+    """Run `tidal bench`; 0 when done, 130 when interrupted (what was measured is written)."""
+    if not args.target and not args.launch:
+        raise ValueError("give at least one --target NAME=URL or --launch MODES")
+    targets = parse_targets(args.target or [])
+    launch_modes = [m for m in (args.launch or "").split(",") if m]
+    names = [t.name for t in targets] + launch_modes
+    if len(set(names)) != len(names):
+        raise ValueError(f"target names must differ: {names}")
+    endpoint = args.endpoint or ("completions" if args.dataset == "random" else "chat")
+    cfg = SweepConfig(concurrency=parse_levels(args.concurrency), output_len=args.output_len, endpoint=endpoint,
+                      num_prompts=args.num_prompts, request_rate=args.request_rate, temperature=args.temperature,
+                      timeout_s=args.timeout, warmup=args.warmup, seed=args.seed,
+                      api_key=args.api_key or os.environ.get("TIDAL_API_KEY") or None)
+    if args.output_len < 1 or (args.request_rate is not None and args.request_rate <= 0):
+        raise ValueError("--output-len must be >= 1 and --request-rate > 0")
+    prompts = load_prompts(args)
+    when = datetime.now(timezone.utc)
+    prefix = Path(args.output or f"bench-results/bench-{when:%Y%m%d-%H%M%S}")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    config = {"concurrency": cfg.concurrency, "num_prompts": args.num_prompts, "output_len": cfg.output_len,
+              "request_rate": cfg.request_rate, "dataset": args.dataset, "dataset_path": args.dataset_path,
+              "input_len": args.input_len if args.dataset == "random" else None, "endpoint": endpoint,
+              "temperature": cfg.temperature, "warmup": cfg.warmup, "seed": cfg.seed, "launch": args.launch,
+              "launch_args": args.launch_args}
+    meta = {"tidal_version": __version__, "created": when.isoformat(timespec="seconds"),
+            "command": command_line(args), "config": config, "machine": machine_info()}
+    records: list[BenchRecord] = []
+    interrupted = False
+    try:
+        with ExitStack() as stack:
+            if launch_modes:
+                from tidal.bench.launch import launched
+
+                print(f"starting tidal serve: {', '.join(launch_modes)} (one at a time)", file=sys.stderr)
+                targets += stack.enter_context(launched(
+                    launch_modes, shlex.split(args.launch_args or ""), prefix.parent / f"{prefix.name}-logs",
+                    args.launch_threads, args.launch_timeout))
+            _run_sweep(targets, prompts, cfg, records, prefix, meta, args.no_progress)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted: writing what was measured so far", file=sys.stderr)
+    finally:
+        _write_outputs(records, [t.name for t in targets] or names, prefix, meta, args.journal, when, interrupted)
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _run_sweep(targets, prompts, cfg, records, prefix: Path, meta: dict, no_progress: bool) -> None:
+    from tqdm import tqdm
+
+    total = len(targets) * sum(cfg.num_requests(c) for c in cfg.concurrency)
+    with tqdm(total=total, unit="req", disable=True if no_progress else None, file=sys.stderr) as bar:
+        shown = [""]
+
+        def on_request(label: str) -> None:
+            if shown[0] != label:
+                shown[0] = label
+                bar.set_description(label)
+            bar.update()
+
+        def on_record(_record) -> None:  # saved as each run ends, so a crash keeps them
+            report.write_json(prefix.with_suffix(".json"), records, {**meta, "complete": False})
+            report.write_csv(prefix.with_suffix(".csv"), records)
+
+        asyncio.run(sweep(targets, prompts, cfg, records, on_request, on_record))
+
+
+def _write_outputs(records: list[BenchRecord], order: list[str], prefix: Path, meta: dict,
+                   journal: str | None, when: datetime, interrupted: bool) -> None:
+    order = [n for n in order if any(r.target == n for r in records)]
+    report.write_json(prefix.with_suffix(".json"), records, {**meta, "complete": not interrupted})
+    report.write_csv(prefix.with_suffix(".csv"), records)
+    if not records:
+        print("nothing was measured", file=sys.stderr)
+        return
+    plot_path = prefix.with_suffix(".png")
+    report.plot(plot_path, records, order, title=f"tidal bench {when:%Y-%m-%d %H:%M} UTC")
+    print(report.format_table(records, order))
+    print(f"\nwrote {prefix}.json, {prefix}.csv, {plot_path}", file=sys.stderr)
+    if journal:
+        title = f"{when:%Y-%m-%d %H:%M:%S} UTC" + (" (interrupted)" if interrupted else "")
+        changed = report.update_journal(journal, records, when=title, command=meta["command"],
+                                        config=meta["config"], plot_path=str(plot_path), order=order)
+        print(f"journal {journal}: {changed}", file=sys.stderr)

@@ -1,0 +1,174 @@
+"""The sweep: for each load level, every target in turn (order rotated per level), each run
+closed loop (exactly C requests in flight) or open loop (Poisson arrivals, at most C in
+flight), with the server's speculative-decoding counters read before and after."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from tidal.bench.client import RequestResult, build_payload, stream_request
+from tidal.bench.records import BenchRecord, latency_summary
+from tidal.bench.scrape import scrape_spec_counters
+
+
+@dataclass
+class Target:
+    """A server to measure. `model` is the id sent with requests (found at /v1/models when
+    not given; omitted when the server does not say)."""
+
+    name: str
+    url: str
+    model: str | None = None
+
+
+@dataclass
+class SweepConfig:
+    """What every target is asked, at every level."""
+
+    concurrency: list[int]
+    output_len: int
+    endpoint: str = "chat"  # "chat" or "completions"
+    num_prompts: int | None = None  # requests per target per level; None: max(8, 2 * C)
+    request_rate: float | None = None  # requests/s, Poisson; None: closed loop
+    temperature: float = 0.0
+    timeout_s: float = 600.0
+    warmup: int = 2  # unmeasured requests per target before the first level
+    seed: int = 0
+    api_key: str | None = None
+    extra: dict = field(default_factory=dict)  # recorded with the results, not used here
+
+    def num_requests(self, concurrency: int) -> int:
+        """Requests per target at this level: never fewer than C, so C can be in flight."""
+        return max(self.num_prompts, concurrency) if self.num_prompts else max(8, 2 * concurrency)
+
+
+def rotated(targets: list[Target], level_index: int) -> list[Target]:
+    """The order targets run in at a level: shifted by one each level, so drift in the
+    machine's speed does not always favour the same target."""
+    k = level_index % len(targets)
+    return targets[k:] + targets[:k]
+
+
+async def sweep(targets: list[Target], prompts: list[str], cfg: SweepConfig, records: list[BenchRecord],
+                on_request: Callable[[str], None] = lambda _: None,
+                on_record: Callable[[BenchRecord], None] = lambda _: None) -> None:
+    """Run every level for every target, appending a record to `records` as each run ends (so
+    whatever finished survives a cancellation). `on_request(description)` is called per
+    finished request, `on_record` per finished run."""
+    limits = httpx.Limits(max_connections=max(cfg.concurrency) + 8, max_keepalive_connections=max(cfg.concurrency) + 8)
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    timeout = httpx.Timeout(cfg.timeout_s, connect=10.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+        for t in targets:
+            t.model = t.model or await discover_model(client, t.url)
+            await warm_up(client, t, prompts, cfg)
+        for li, c in enumerate(cfg.concurrency):
+            for t in rotated(targets, li):
+                record = await run_level(client, t, prompts, cfg, c, on_request)
+                records.append(record)
+                on_record(record)
+
+
+async def discover_model(client: httpx.AsyncClient, url: str) -> str | None:
+    """The first model id the server lists at /v1/models, or None."""
+    try:
+        r = await client.get(url.rstrip("/") + "/v1/models", timeout=10)
+        return r.json()["data"][0]["id"] if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+async def warm_up(client: httpx.AsyncClient, target: Target, prompts: list[str], cfg: SweepConfig) -> None:
+    """A few short unmeasured requests, one at a time (first-request costs stay out of the
+    numbers); their failures show up again, measured, in the first level."""
+    for i in range(cfg.warmup):
+        payload = build_payload(cfg.endpoint, prompts[i % len(prompts)], min(cfg.output_len, 16),
+                                target.model, cfg.temperature)
+        await stream_request(client, target.url, cfg.endpoint, payload)
+
+
+async def run_level(client: httpx.AsyncClient, target: Target, prompts: list[str], cfg: SweepConfig,
+                    concurrency: int, on_request: Callable[[str], None] = lambda _: None) -> BenchRecord:
+    """One target at one level: its requests, timings and spec-counter delta, as a record."""
+    n = cfg.num_requests(concurrency)
+    payloads = [build_payload(cfg.endpoint, prompts[i % len(prompts)], cfg.output_len, target.model,
+                              cfg.temperature) for i in range(n)]
+    label = f"{target.name} C={concurrency}"
+
+    async def send(payload: dict) -> RequestResult:
+        result = await stream_request(client, target.url, cfg.endpoint, payload)
+        on_request(label)
+        return result
+
+    before = await scrape_spec_counters(client, target.url)
+    start = time.perf_counter()
+    if cfg.request_rate is None:
+        results = await closed_loop(send, payloads, concurrency)
+    else:
+        results = await open_loop(send, payloads, concurrency, cfg.request_rate, cfg.seed)
+    end = max(r.done for r in results)
+    after = await scrape_spec_counters(client, target.url)
+    spec = after - before if before is not None and after is not None else None
+    return summarize(target.name, concurrency, cfg.request_rate, results, end - start, spec)
+
+
+async def closed_loop(send, payloads: list[dict], concurrency: int) -> list[RequestResult]:
+    """`concurrency` workers, each sending its next request as soon as its last one ends."""
+    pending = iter(enumerate(payloads))
+    results: list[RequestResult | None] = [None] * len(payloads)
+
+    async def worker() -> None:
+        for i, payload in pending:  # one shared iterator: each request is taken once
+            results[i] = await send(payload)
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(payloads)))))
+    return results
+
+
+async def open_loop(send, payloads: list[dict], concurrency: int, rate: float, seed: int) -> list[RequestResult]:
+    """Requests arrive at Poisson times (mean `rate` per second, the same schedule for every
+    target); at most `concurrency` are in flight, later arrivals wait their turn."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(payloads))
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(payload: dict) -> RequestResult:
+        async with gate:
+            return await send(payload)
+
+    tasks = []
+    try:
+        for gap, payload in zip(gaps, payloads):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.ensure_future(one(payload)))
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def summarize(name: str, concurrency: int, rate: float | None, results: list[RequestResult],
+              duration_s: float, spec=None) -> BenchRecord:
+    """The record of one run: rates over `duration_s`, latencies of the requests that
+    succeeded, errors with the first message, and the spec counters' delta if any."""
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    duration_s = max(duration_s, 1e-9)
+    return BenchRecord(
+        target=name, concurrency=concurrency, request_rate=rate, num_requests=len(results),
+        completed=len(ok), duration_s=duration_s, output_tokens=tokens,
+        output_tok_s=tokens / duration_s, requests_per_s=len(ok) / duration_s,
+        ttft_ms=latency_summary([r.ttft for r in ok if r.ttft is not None]),
+        tpot_ms=latency_summary([t for r in ok if (t := r.tpot()) is not None]),
+        itl_ms=latency_summary([g for r in ok for g in r.itls()]),
+        e2e_ms=latency_summary([r.e2e for r in ok]),
+        errors=len(failed), error=failed[0].error if failed else None,
+        acceptance_length=spec.acceptance_length if spec else None,
+        acceptance_rate=spec.acceptance_rate if spec else None,
+        mean_chosen_k=spec.mean_chosen_k if spec else None)
