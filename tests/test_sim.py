@@ -198,11 +198,13 @@ def test_sim_command_prints_the_table_and_writes_json(tmp_path, capsys):
                  "off,fixed:3,adaptive", "--concurrency", "1,4", "--input-len", "64", "--output-len", "32",
                  "--num-prompts", "8", "--json", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "SIMULATED" in out and "| 4 |" in out and "fixed:3 / off" in out
+    assert "SIMULATED" in out and "| 4 | fixed:3 |" in out and "vs off" in out
     records = json.loads(path.read_text())["records"]
     assert {(r["target"], r["concurrency"]) for r in records} == {(t, c) for t in ("off", "fixed:3", "adaptive") for c in (1, 4)}
+    assert json.loads(path.read_text())["simulated"] is True
     for r in records:
         assert set(r["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and r["errors"] == 0
+        assert r["completed"] == r["num_requests"] == 8 and r["output_tokens"] == 8 * 32
         assert math.isfinite(r["output_tok_s"]) and r["output_tok_s"] > 0
 
 

@@ -124,8 +124,8 @@ def _progress(record) -> None:
 
 
 def run_sim(args) -> int:
-    """`tidal sim`: print the sweep table (and the crossovers); optionally JSON and a plot."""
-    from tidal.sim.report import crossovers, format_table
+    """`tidal sim`: print the sweep table (the bench's) and the crossovers; optionally JSON and a plot."""
+    from tidal.bench.report import crossovers, format_table, plot, write_json
     from tidal.sim.simulator import parse_modes
     from tidal.sim.sweep import sweep
 
@@ -137,18 +137,12 @@ def run_sim(args) -> int:
     records = sweep(model, modes, config, progress=_progress)
     print("\nSIMULATED (not measured):")
     print(format_table(records))
-    base = modes[0].label
-    for target, c in crossovers(records, base).items():
-        where = "never falls behind" if c is None else ("never gets ahead" if c == 1 else f"falls behind from concurrency {c}")
-        print(f"{target} vs {base}: {where}")
+    for target, c in crossovers(records).items():
+        print(f"{target} vs {modes[0].label}: " + ("no crossover in this range" if c is None else f"crossover at concurrency {c}"))
     if args.json:
-        out = {"simulated": True, "model": model.describe(), "command": " ".join(sys.argv),
-               "records": [r.to_dict() for r in records]}
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        write_json(args.json, records, {"simulated": True, "model": model.describe(), "command": " ".join(sys.argv)})
     if args.plot:
-        from tidal.sim.report import plot
-
-        plot(records, args.plot)
+        plot(args.plot, records, title=f"SIMULATED: {model.describe().split(':')[0]}")
     return 0
 
 

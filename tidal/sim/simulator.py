@@ -177,6 +177,7 @@ class SimRun:
     duration: float
     num_steps: int = 0
     num_verifications: int = 0  # request-steps that verified at least one draft
+    num_drafted: int = 0
     num_accepted: int = 0
     chosen_k: list[int] = field(default_factory=list)  # every choice of the policy, per request per step
 
@@ -255,6 +256,7 @@ class Simulator:
                 seq.spec.record(s.num_draft_tokens, accepted)
                 self.policy.record(s.num_draft_tokens, accepted)
                 self._run.num_verifications += 1
+                self._run.num_drafted += s.num_draft_tokens
                 self._run.num_accepted += accepted
                 seq.num_computed_tokens += accepted
                 seq.draft_token_ids = []

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.config import SchedulerConfig
-from tidal.sim.report import SimRecord, make_record
+from tidal.bench.records import BenchRecord
+from tidal.sim.report import make_record
 from tidal.sim.simulator import AcceptanceModel, Simulator, SpecMode, StepTimeModel, Workload
 from tidal.spec.cost import DEFAULT_KNOTS
 
@@ -35,7 +36,7 @@ class SweepConfig:
         return per_request * concurrency + 64 * -(-(48 + 6 + 4) // self.block_size) + 1
 
 
-def simulate(model: StepTimeModel, mode: SpecMode, concurrency: int, config: SweepConfig) -> SimRecord:
+def simulate(model: StepTimeModel, mode: SpecMode, concurrency: int, config: SweepConfig) -> BenchRecord:
     """One sweep point, from a fresh simulator (as a freshly started server would be); the
     policy's cost model gets the step model's knots where it has them (a measured profile)."""
     sim = Simulator(model, mode, config.acceptance, config.scheduler, config.blocks(concurrency, mode.max_k),
@@ -43,7 +44,7 @@ def simulate(model: StepTimeModel, mode: SpecMode, concurrency: int, config: Swe
     return make_record(mode.label, concurrency, sim.run(config.workload(concurrency)))
 
 
-def sweep(model: StepTimeModel, modes: list[SpecMode], config: SweepConfig, progress=None) -> list[SimRecord]:
+def sweep(model: StepTimeModel, modes: list[SpecMode], config: SweepConfig, progress=None) -> list[BenchRecord]:
     """Records for every (mode, concurrency), concurrency-major like `tidal bench`."""
     records = []
     for c in config.concurrency:
