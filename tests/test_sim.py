@@ -206,6 +206,9 @@ def test_sim_command_prints_the_table_and_writes_json(tmp_path, capsys):
         assert set(r["ttft_ms"]) == {"mean", "p50", "p90", "p99"} and r["errors"] == 0
         assert r["completed"] == r["num_requests"] == 8 and r["output_tokens"] == 8 * 32
         assert math.isfinite(r["output_tok_s"]) and r["output_tok_s"] > 0
+    assert main(["tune", "--from", str(path)]) == 0
+    tuned = json.loads(capsys.readouterr().out)
+    assert set(tuned["best_k_by_concurrency"]) == {"1", "4"} and set(tuned["best_k_by_concurrency"].values()) <= {0, 3}
 
 
 def test_acceptance_curve_from_metrics_pages():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:
@@ -153,8 +152,9 @@ def run_tune(args) -> int:
     from tidal.sim.tune import tune
 
     if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        records = data["records"] if isinstance(data, dict) else data
+        from tidal.bench.report import read_json
+
+        _, records = read_json(args.from_json)
     else:
         if not 1 <= args.max_k <= 15:
             raise ValueError("--max-k must be in 1..15")
