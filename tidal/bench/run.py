@@ -132,6 +132,7 @@ def main(args) -> int:
                 targets += stack.enter_context(launched(
                     launch_modes, shlex.split(args.launch_args or ""), prefix.parent / f"{prefix.name}-logs",
                     args.launch_threads, args.launch_timeout))
+            meta["targets"] = {t.name: t.url for t in targets}
             _run_sweep(targets, prompts, cfg, records, prefix, meta, args.no_progress)
     except KeyboardInterrupt:
         interrupted = True

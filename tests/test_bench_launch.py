@@ -1,0 +1,40 @@
+"""`tidal bench --launch`: local `tidal serve` processes on a tiny random model, started one
+at a time, measured, and stopped; a server that cannot start is a clear error."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tidal.bench import report
+from tidal.cli import main
+
+
+def test_launch_measures_then_stops_the_servers(tiny_model_dir, tmp_path, capsys):
+    prefix = tmp_path / "run"
+    rc = main(["bench", "--launch", "off,fixed:2", "--launch-args", f"--model {tiny_model_dir} --dtype float32",
+               "--endpoint", "completions", "--concurrency", "1,2", "--num-prompts", "2", "--output-len", "8",
+               "--warmup", "1", "--output", str(prefix)])
+    assert rc == 0, capsys.readouterr().err
+    meta, records = report.read_json(prefix.with_suffix(".json"))
+    assert meta["complete"] is True and list(meta["targets"]) == ["off", "fixed:2"]
+    assert sorted((r.target, r.concurrency) for r in records) == [("fixed:2", 1), ("fixed:2", 2), ("off", 1), ("off", 2)]
+    for r in records:
+        assert r.errors == 0 and r.completed == r.num_requests == 2 and r.output_tokens == 16, r.error
+    off = [r for r in records if r.target == "off"]
+    fixed = [r for r in records if r.target == "fixed:2"]
+    assert all(r.mean_chosen_k is None for r in off)
+    assert all(r.mean_chosen_k is not None and 0 < r.mean_chosen_k <= 2 for r in fixed)
+    assert "| 1 | fixed:2 | 2/2 |" in capsys.readouterr().out
+    for url in meta["targets"].values():  # stopped on the way out
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2)
+    logs = list((tmp_path / "run-logs").glob("server-*.log"))
+    assert len(logs) == 2
+
+
+def test_a_server_that_cannot_start_is_a_clear_error(tmp_path, capsys):
+    rc = main(["bench", "--launch", "off", "--launch-args", f"--model {tmp_path / 'missing.gguf'}",
+               "--output", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "tidal serve (off) exited with 2" in err and "missing.gguf" in err
