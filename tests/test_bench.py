@@ -262,3 +262,14 @@ def test_launch_modes():
     for bad in ("fixed", "off:2", "fast", "fixed:x"):
         with pytest.raises(ValueError):
             serve_args(bad)
+
+
+def test_bad_arguments_are_clear_errors(capsys):
+    from tidal.cli import main
+
+    assert main(["bench"]) == 2 and "--target" in capsys.readouterr().err
+    assert main(["bench", "--target", "a=http://127.0.0.1:1", "--output-len", "0"]) == 2
+    assert "--output-len must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "--target", "a=127.0.0.1:1"]) == 2 and "NAME=http" in capsys.readouterr().err
+    assert main(["bench", "--target", "a=http://127.0.0.1:1", "--launch", "a"]) == 2
+    assert main(["bench", "--target", "a=http://127.0.0.1:1", "--concurrency", "1,0"]) == 2

@@ -44,8 +44,9 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
-def load_prompts(args) -> list[str]:
-    """The prompt texts of the chosen dataset (random ones are token-exact for the tokenizer)."""
+def load_prompts(args, cfg: SweepConfig) -> list[str]:
+    """The prompt texts of the chosen dataset; random ones are token-exact for the tokenizer,
+    one per request of the largest level."""
     from tidal.bench import datasets
 
     if args.dataset == "chat":
@@ -55,7 +56,7 @@ def load_prompts(args) -> list[str]:
             raise ValueError("--dataset sharegpt needs --dataset-path FILE.json")
         return datasets.sharegpt_prompts(args.dataset_path)
     tokenizer, vocab_size = datasets.load_tokenizer(args.tokenizer)
-    num = max(args.num_prompts or 0, *(max(8, 2 * c) for c in parse_levels(args.concurrency)))
+    num = max(cfg.num_requests(c) for c in cfg.concurrency)
     return datasets.random_prompts(tokenizer, vocab_size, num, args.input_len, args.seed)
 
 
@@ -71,7 +72,7 @@ def machine_info() -> dict:
         torch = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch = None
-    return {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu,
+    return {"platform": platform.platform(), "cpu": cpu,
             "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch}
 
 
@@ -98,6 +99,7 @@ def main(args) -> int:
     """Run `tidal bench`; 0 when done, 130 when interrupted (what was measured is written)."""
     if not args.target and not args.launch:
         raise ValueError("give at least one --target NAME=URL or --launch MODES")
+    _check_numbers(args)
     targets = parse_targets(args.target or [])
     launch_modes = [m for m in (args.launch or "").split(",") if m]
     names = [t.name for t in targets] + launch_modes
@@ -108,9 +110,7 @@ def main(args) -> int:
                       num_prompts=args.num_prompts, request_rate=args.request_rate, temperature=args.temperature,
                       timeout_s=args.timeout, warmup=args.warmup, seed=args.seed,
                       api_key=args.api_key or os.environ.get("TIDAL_API_KEY") or None)
-    if args.output_len < 1 or (args.request_rate is not None and args.request_rate <= 0):
-        raise ValueError("--output-len must be >= 1 and --request-rate > 0")
-    prompts = load_prompts(args)
+    prompts = load_prompts(args, cfg)
     when = datetime.now(timezone.utc)
     prefix = Path(args.output or f"bench-results/bench-{when:%Y%m%d-%H%M%S}")
     prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -140,6 +140,18 @@ def main(args) -> int:
     finally:
         _write_outputs(records, [t.name for t in targets] or names, prefix, meta, args.journal, when, interrupted)
     return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _check_numbers(args) -> None:
+    for flag, value, low in (("--output-len", args.output_len, 1), ("--num-prompts", args.num_prompts, 1),
+                             ("--launch-threads", args.launch_threads, 1), ("--warmup", args.warmup, 0),
+                             ("--input-len", args.input_len, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    for flag, value in (("--request-rate", args.request_rate), ("--timeout", args.timeout),
+                        ("--launch-timeout", args.launch_timeout)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
 
 
 def _run_sweep(targets, prompts, cfg, records, prefix: Path, meta: dict, no_progress: bool) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 import numpy as np
@@ -41,7 +41,6 @@ class SweepConfig:
     warmup: int = 2  # unmeasured requests per target before the first level
     seed: int = 0
     api_key: str | None = None
-    extra: dict = field(default_factory=dict)  # recorded with the results, not used here
 
     def num_requests(self, concurrency: int) -> int:
         """Requests per target at this level: never fewer than C, so C can be in flight."""
