@@ -167,7 +167,11 @@ def _run_sweep(targets, prompts, cfg, records, prefix: Path, meta: dict, no_prog
                 bar.set_description(label)
             bar.update()
 
-        def on_record(_record) -> None:  # saved as each run ends, so a crash keeps them
+        def on_record(r: BenchRecord) -> None:  # saved as each run ends, so a crash keeps them
+            errors = f", {r.errors} errors: {r.error}" if r.errors else ""
+            tqdm.write(f"{r.target} C={r.concurrency}: {r.output_tok_s:.1f} tok/s, TTFT p50 "
+                       f"{r.ttft_ms['p50'] or 0:.0f} ms, TPOT p50 {r.tpot_ms['p50'] or 0:.1f} ms{errors}",
+                       file=sys.stderr)
             report.write_json(prefix.with_suffix(".json"), records, {**meta, "complete": False})
             report.write_csv(prefix.with_suffix(".csv"), records)
 
