@@ -105,22 +105,13 @@ def main(args) -> int:
     names = [t.name for t in targets] + launch_modes
     if len(set(names)) != len(names):
         raise ValueError(f"target names must differ: {names}")
-    endpoint = args.endpoint or ("completions" if args.dataset == "random" else "chat")
-    cfg = SweepConfig(concurrency=parse_levels(args.concurrency), output_len=args.output_len, endpoint=endpoint,
-                      num_prompts=args.num_prompts, request_rate=args.request_rate, temperature=args.temperature,
-                      timeout_s=args.timeout, warmup=args.warmup, seed=args.seed,
-                      api_key=args.api_key or os.environ.get("TIDAL_API_KEY") or None)
+    cfg = _sweep_config(args)
     prompts = load_prompts(args, cfg)
     when = datetime.now(timezone.utc)
     prefix = Path(args.output or f"bench-results/bench-{when:%Y%m%d-%H%M%S}")
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    config = {"concurrency": cfg.concurrency, "num_prompts": args.num_prompts, "output_len": cfg.output_len,
-              "request_rate": cfg.request_rate, "dataset": args.dataset, "dataset_path": args.dataset_path,
-              "input_len": args.input_len if args.dataset == "random" else None, "endpoint": endpoint,
-              "temperature": cfg.temperature, "warmup": cfg.warmup, "seed": cfg.seed, "launch": args.launch,
-              "launch_args": args.launch_args}
     meta = {"tidal_version": __version__, "created": when.isoformat(timespec="seconds"),
-            "command": command_line(args), "config": config, "machine": machine_info()}
+            "command": command_line(args), "config": _config_record(args, cfg), "machine": machine_info()}
     records: list[BenchRecord] = []
     interrupted = False
     try:
@@ -140,6 +131,28 @@ def main(args) -> int:
     finally:
         _write_outputs(records, [t.name for t in targets] or names, prefix, meta, args.journal, when, interrupted)
     return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _sweep_config(args) -> SweepConfig:
+    return SweepConfig(
+        concurrency=parse_levels(args.concurrency), output_len=args.output_len,
+        endpoint=args.endpoint or ("completions" if args.dataset == "random" else "chat"),
+        num_prompts=args.num_prompts, request_rate=args.request_rate, temperature=args.temperature,
+        timeout_s=args.timeout, warmup=args.warmup, seed=args.seed,
+        api_key=args.api_key or os.environ.get("TIDAL_API_KEY") or None)
+
+
+def _config_record(args, cfg: SweepConfig) -> dict:
+    """The sweep's settings as recorded with its results (no API key)."""
+    return {"concurrency": cfg.concurrency, "num_prompts": args.num_prompts, "output_len": cfg.output_len,
+            "request_rate": cfg.request_rate, "dataset": args.dataset, "dataset_path": args.dataset_path,
+            "input_len": args.input_len if args.dataset == "random" else None, "endpoint": cfg.endpoint,
+            "temperature": cfg.temperature, "warmup": cfg.warmup, "seed": cfg.seed, "launch": args.launch,
+            "launch_args": args.launch_args}
+
+
+def _path(prefix: Path, ext: str) -> Path:
+    return prefix.with_name(prefix.name + ext)  # not with_suffix: a prefix may contain dots
 
 
 def _check_numbers(args) -> None:
@@ -172,8 +185,8 @@ def _run_sweep(targets, prompts, cfg, records, prefix: Path, meta: dict, no_prog
             tqdm.write(f"{r.target} C={r.concurrency}: {r.output_tok_s:.1f} tok/s, TTFT p50 "
                        f"{r.ttft_ms['p50'] or 0:.0f} ms, TPOT p50 {r.tpot_ms['p50'] or 0:.1f} ms{errors}",
                        file=sys.stderr)
-            report.write_json(prefix.with_suffix(".json"), records, {**meta, "complete": False})
-            report.write_csv(prefix.with_suffix(".csv"), records)
+            report.write_json(_path(prefix, ".json"), records, {**meta, "complete": False})
+            report.write_csv(_path(prefix, ".csv"), records)
 
         asyncio.run(sweep(targets, prompts, cfg, records, on_request, on_record))
 
@@ -181,15 +194,15 @@ def _run_sweep(targets, prompts, cfg, records, prefix: Path, meta: dict, no_prog
 def _write_outputs(records: list[BenchRecord], order: list[str], prefix: Path, meta: dict,
                    journal: str | None, when: datetime, interrupted: bool) -> None:
     order = [n for n in order if any(r.target == n for r in records)]
-    report.write_json(prefix.with_suffix(".json"), records, {**meta, "complete": not interrupted})
-    report.write_csv(prefix.with_suffix(".csv"), records)
+    report.write_json(_path(prefix, ".json"), records, {**meta, "complete": not interrupted})
+    report.write_csv(_path(prefix, ".csv"), records)
     if not records:
         print("nothing was measured", file=sys.stderr)
         return
-    plot_path = prefix.with_suffix(".png")
+    plot_path = _path(prefix, ".png")
     report.plot(plot_path, records, order, title=f"tidal bench {when:%Y-%m-%d %H:%M} UTC")
     print(report.format_table(records, order))
-    print(f"\nwrote {prefix}.json, {prefix}.csv, {plot_path}", file=sys.stderr)
+    print(f"\nwrote {_path(prefix, '.json')}, {_path(prefix, '.csv')}, {plot_path}", file=sys.stderr)
     if journal:
         title = f"{when:%Y-%m-%d %H:%M:%S} UTC" + (" (interrupted)" if interrupted else "")
         changed = report.update_journal(journal, records, when=title, command=meta["command"],
