@@ -129,7 +129,8 @@ def test_failing_targets_are_reported_and_the_others_measured(fake):
     assert "- fail C=2: 2 errors, first: HTTP 500: the fake engine broke" in table
 
 
-def test_ctrl_c_writes_what_was_measured(fake, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_writes_what_was_measured(fake, tmp_path, sig):
     prefix, journal = tmp_path / "run", tmp_path / "journal.md"
     cmd = [sys.executable, "-m", "tidal.cli", "bench", "--target", f"ok={fake}/ok", "--concurrency", "2,1",
            "--num-prompts", "4", "--output-len", "4", "--warmup", "0", "--output", str(prefix),
@@ -140,7 +141,7 @@ def test_ctrl_c_writes_what_was_measured(fake, tmp_path):
     while not (json_path.exists() and json_path.stat().st_size and json.loads(json_path.read_text())["records"]):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.02)
-    proc.send_signal(signal.SIGINT)  # during C=1, which takes four request lifetimes
+    proc.send_signal(sig)  # during C=1, which takes four request lifetimes
     stdout, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130, stderr
     meta, records = report.read_json(json_path)

@@ -7,6 +7,7 @@ import asyncio
 import os
 import platform
 import shlex
+import signal
 import sys
 from contextlib import ExitStack
 from datetime import datetime, timezone
@@ -96,7 +97,8 @@ def command_line(args) -> str:
 
 
 def main(args) -> int:
-    """Run `tidal bench`; 0 when done, 130 when interrupted (what was measured is written)."""
+    """Run `tidal bench`; 0 when done, 130 when interrupted by Ctrl-C or SIGTERM (what was
+    measured is written either way)."""
     if not args.target and not args.launch:
         raise ValueError("give at least one --target NAME=URL or --launch MODES")
     _check_numbers(args)
@@ -114,6 +116,7 @@ def main(args) -> int:
             "command": command_line(args), "config": _config_record(args, cfg), "machine": machine_info()}
     records: list[BenchRecord] = []
     interrupted = False
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # launched servers must not outlive us
     try:
         with ExitStack() as stack:
             if launch_modes:
@@ -129,8 +132,13 @@ def main(args) -> int:
         interrupted = True
         print("\ninterrupted: writing what was measured so far", file=sys.stderr)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         _write_outputs(records, [t.name for t in targets] or names, prefix, meta, args.journal, when, interrupted)
     return EXIT_INTERRUPTED if interrupted else 0
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def _sweep_config(args) -> SweepConfig:
