@@ -75,7 +75,7 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, endpoint: str
                 await _read_stream(r, endpoint, result)
     except Exception as e:  # noqa: BLE001 - any failure is this request's result, not the sweep's
         result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    result.done = time.perf_counter()
+    result.done = result.done or time.perf_counter()
     return result
 
 
@@ -103,6 +103,7 @@ async def _read_stream(r: httpx.Response, endpoint: str, result: RequestResult) 
             result.chunk_times.append(time.perf_counter() - result.sent)
         if isinstance(event.get("usage"), dict) and event["usage"].get("completion_tokens") is not None:
             usage_tokens = int(event["usage"]["completion_tokens"])
+    result.done = time.perf_counter()  # the last chunk, before the connection is released
     if not done:
         result.error = "bad stream: it ended without [DONE]"
     result.output_tokens = usage_tokens if usage_tokens is not None else len(result.chunk_times)
