@@ -42,15 +42,21 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     num_tokens, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    rep = heads // kv_heads
     out = q.new_empty(num_tokens, heads * head_dim)
-    # On CPU, torch's fp32 SDPA kernel is several times faster than its bf16 one for batched
-    # decode (measured: 0.46 vs 4.0 ms at 64 sequences x 100 keys), so attend in fp32 there.
-    dtype = torch.float32 if q.device.type == "cpu" else q.dtype
+    flat_k, flat_v = k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1)
     for g in meta.groups:
-        qg = q[g.token_index].transpose(1, 2).to(dtype)  # [B, heads, Q, D]
-        kg = k_cache[g.kv_slots].transpose(1, 2).to(dtype)  # [B, kv_heads, K, D]
-        vg = v_cache[g.kv_slots].transpose(1, 2).to(dtype)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
-        og = og.transpose(1, 2).reshape(-1, heads * head_dim)[g.valid].to(q.dtype)
-        out.index_copy_(0, g.out_index, og)
+        B, K = g.kv_slots.shape
+        Q = g.token_index.shape[1]
+        # index_select on flat rows, in the cache's dtype, and the query heads of one KV head
+        # folded into the query axis (no GQA expansion of K/V): on CPU 3-4x faster for batched
+        # decode than advanced indexing plus an fp32 SDPA with enable_gqa (measured, B=128).
+        kg, vg = (x.index_select(0, g.kv_slots.flatten()).view(B, K, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+                  for x in (flat_k, flat_v))  # .to: the EAGLE head may run in fp32 over a bf16 cache
+        qg = q[g.token_index].view(B, Q, kv_heads, rep, head_dim).permute(0, 2, 3, 1, 4).reshape(B, kv_heads, rep * Q, head_dim)
+        mask = g.mask.unsqueeze(2).expand(B, 1, rep, Q, K).reshape(B, 1, rep * Q, K)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+        og = og.view(B, kv_heads, rep, Q, head_dim).permute(0, 3, 1, 2, 4).reshape(B * Q, heads * head_dim)
+        out.index_copy_(0, g.out_index, og[g.valid])
     return out
