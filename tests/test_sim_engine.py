@@ -14,9 +14,23 @@ SCHEDULER = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32)  # prompt
 NUM_BLOCKS, BLOCK_SIZE = 24, 4  # 4 requests need 36 blocks at the end: some are preempted
 
 
+def run_closed_loop(eng) -> None:
+    """The workload the simulator runs: CONCURRENCY requests in flight until NUM_PROMPTS are done."""
+    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True)
+    sent = 0
+    for _ in range(CONCURRENCY):
+        eng.add_request(f"r{sent}", [1] * INPUT_LEN, params)
+        sent += 1
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished and sent < NUM_PROMPTS:
+                eng.add_request(f"r{sent}", [1] * INPUT_LEN, params)
+                sent += 1
+
+
 def engine_steps(model_dir) -> list[tuple[int, int, int]]:
     llm = LLM(str(model_dir), dtype="float32", cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS), scheduler=SCHEDULER)
-    eng, shapes, sent = llm.engine, [], [0]
+    eng, shapes = llm.engine, []
     observe = eng.step_cost.observe
 
     def spy(tokens, seqs, context, seconds, anchor=False):
@@ -24,18 +38,7 @@ def engine_steps(model_dir) -> list[tuple[int, int, int]]:
         observe(tokens, seqs, context, seconds, anchor)
 
     eng.step_cost.observe = spy
-    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True)
-
-    def send():
-        eng.add_request(f"r{sent[0]}", [1] * INPUT_LEN, params)
-        sent[0] += 1
-
-    for _ in range(CONCURRENCY):
-        send()
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished and sent[0] < NUM_PROMPTS:
-                send()
+    run_closed_loop(eng)
     return shapes
 
 
@@ -113,25 +116,15 @@ def test_simulated_speculation_equals_the_engines(tiny_model_dir, mode):
     spec = SpecConfig("ngram", spec_mode.max_k, mode=spec_mode.mode, schedule=spec_mode.schedule)
     llm = LLM(str(tiny_model_dir), dtype="float32", cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS),
               scheduler=SCHEDULER, spec=spec)
-    params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0, ignore_eos=True)
     continuation = llm.generate([[1] * INPUT_LEN], SamplingParams(max_tokens=OUTPUT_LEN + 8, temperature=0,
                                                                   ignore_eos=True))[0].token_ids
-    eng, shapes, verifications, sent = llm.engine, [], [], [0]
+    eng, shapes, verifications = llm.engine, [], []
     eng.drafter = KnowingDrafter(continuation)
     observe, record = eng.step_cost.observe, eng.policy.record
     eng.step_cost.observe = lambda t, s, c, sec, anchor=False: (shapes.append((t, s, c)), observe(t, s, c, sec, anchor))
     eng.policy.record = lambda d, a: (verifications.append((d, a)), record(d, a))
 
-    def send():
-        eng.add_request(f"r{sent[0]}", [1] * INPUT_LEN, params)
-        sent[0] += 1
-
-    for _ in range(CONCURRENCY):
-        send()
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished and sent[0] < NUM_PROMPTS:
-                send()
+    run_closed_loop(eng)
     assert {a for _, a in verifications} >= {0, 1, 2}, "the case should accept some drafts, not all"
 
     rec = Recorder()

@@ -226,11 +226,9 @@ class LLMEngine:
         stats.chosen_k = list(ks)  # the policy's choice; ks is trimmed to free blocks below
         for k in ks:
             self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
-        for i, seq in enumerate(seqs):  # slots for the drafts (the head writes KV there too)
-            seq.spec.chosen_k = ks[i]
-            ks[i] = self.block_manager.num_fitting(seq, seq.num_tokens, ks[i])
-            if ks[i]:
-                self.block_manager.allocate(seq, seq.num_tokens + ks[i])
+        for seq, k in zip(seqs, ks):
+            seq.spec.chosen_k = k
+        ks = self.scheduler.reserve_drafts(seqs, ks)
         if not any(ks):
             return  # speculation off this step: no drafter call at all
         catch_up = sum(self.drafter.catch_up(s) for s, k in zip(seqs, ks) if k)
@@ -245,16 +243,11 @@ class LLMEngine:
     def _choose_k(self, seqs: list[Sequence], caps: list[int]) -> list[int]:
         """The policy's draft lengths, given the step the scheduler is about to build: the
         decoding requests' one token each plus the prefill it will feed next."""
-        sched, running = self.scheduler, self.scheduler.running
-        decoding = set(map(id, seqs))
-        pending = sum(s.num_uncomputed_tokens for s in running if id(s) not in decoding)
-        pending += sum(s.num_uncomputed_tokens for s in sched.waiting[: max(0, sched.config.max_num_seqs - len(running))])
-        base = min(len(seqs) + pending, sched.config.max_num_batched_tokens)
-        context = sum(s.num_tokens for s in running)
+        base, num_running, context = self.scheduler.spec_load(seqs)
         views = [RequestView(cap, s.spec.recent_reached, s.spec.recent_accepted, self.drafter.catch_up(s), s.spec.chosen_k)
                  for s, cap in zip(seqs, caps)]
-        ks = self.policy.choose(views, base, len(running), context, self.step_cost.predict, self.draft_cost.predict)
-        self._predicted = self.step_cost.predict(base + sum(ks), len(running), context + sum(ks))
+        ks = self.policy.choose(views, base, num_running, context, self.step_cost.predict, self.draft_cost.predict)
+        self._predicted = self.step_cost.predict(base + sum(ks), num_running, context + sum(ks))
         return ks
 
     def _make_policy(self) -> SpecPolicy:

@@ -73,6 +73,26 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
+    def spec_load(self, decoding: list[Sequence]) -> tuple[int, int, int]:
+        """The next step as the speculation policy sees it, before drafts: tokens (one per
+        decoding request plus the prefill the scheduler will feed), running sequences, context."""
+        running = self.running
+        ids = set(map(id, decoding))
+        pending = sum(s.num_uncomputed_tokens for s in running if id(s) not in ids)
+        pending += sum(s.num_uncomputed_tokens for s in self.waiting[: max(0, self.config.max_num_seqs - len(running))])
+        base = min(len(decoding) + pending, self.config.max_num_batched_tokens)
+        return base, len(running), sum(s.num_tokens for s in running)
+
+    def reserve_drafts(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> list[int]:
+        """Allocate cache slots for each request's drafts (an EAGLE head writes its KV there
+        too), as many as fit in the free blocks; returns the draft lengths that fit."""
+        fitted = []
+        for seq, k in zip(seqs, num_draft_tokens):
+            fitted.append(self.block_manager.num_fitting(seq, seq.num_tokens, k))
+            if fitted[-1]:
+                self.block_manager.allocate(seq, seq.num_tokens + fitted[-1])
+        return fitted
+
     def _fit_drafts(self, seq: Sequence, n: int, budget: int) -> int:
         """How many of seq's drafts ride along: only for a decode step, within the token budget
         and the free blocks (a guess never preempts another request). Drops the rest."""

@@ -283,11 +283,9 @@ class Simulator:
         ks = self._choose_k(seqs, caps)
         if not self._profiling:
             self._run.chosen_k.extend(ks)
-        for i, seq in enumerate(seqs):
-            seq.spec.chosen_k = ks[i]
-            ks[i] = self.block_manager.num_fitting(seq, seq.num_tokens, ks[i])
-            if ks[i]:
-                self.block_manager.allocate(seq, seq.num_tokens + ks[i])
+        for seq, k in zip(seqs, ks):
+            seq.spec.chosen_k = k
+        ks = self.scheduler.reserve_drafts(seqs, ks)
         if not any(ks):
             return  # speculation off this step: no drafter call at all
         catch_up = sum(catch_up_positions(s) for s, k in zip(seqs, ks) if k)
@@ -301,15 +299,10 @@ class Simulator:
 
     def _choose_k(self, seqs: list[Sequence], caps: list[int]) -> list[int]:
         """LLMEngine._choose_k: the policy's draft lengths for the step about to be built."""
-        sched, running = self.scheduler, self.scheduler.running
-        decoding = set(map(id, seqs))
-        pending = sum(s.num_uncomputed_tokens for s in running if id(s) not in decoding)
-        pending += sum(s.num_uncomputed_tokens for s in sched.waiting[: max(0, sched.config.max_num_seqs - len(running))])
-        base = min(len(seqs) + pending, sched.config.max_num_batched_tokens)
-        context = sum(s.num_tokens for s in running)
+        base, num_running, context = self.scheduler.spec_load(seqs)
         views = [RequestView(cap, s.spec.recent_reached, s.spec.recent_accepted, catch_up_positions(s), s.spec.chosen_k)
                  for s, cap in zip(seqs, caps)]
-        return self.policy.choose(views, base, len(running), context, self.step_cost.predict, self.draft_cost.predict)
+        return self.policy.choose(views, base, num_running, context, self.step_cost.predict, self.draft_cost.predict)
 
     def profile(self) -> None:
         """LLMEngine.profile(): anchor the cost models with steps over dummy requests at batch
