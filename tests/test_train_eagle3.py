@@ -1,10 +1,11 @@
 """EAGLE-3 training: the training-time-test unroll sees exactly what inference drafting sees."""
 
+import pytest
 import torch
 
 from tidal import SamplingParams
 from tidal.sequence import Sequence
-from tidal.train.eagle3 import Example, draft_vocab, ttt_forward, ttt_loss
+from tidal.train.eagle3 import Example, draft_vocab, load_examples, save_examples, ttt_forward, ttt_loss
 from tests.test_eagle import eagle_setup, make  # noqa: F401  (fixture)
 
 
@@ -60,3 +61,18 @@ def test_ttt_loss_trains_a_head_towards_the_target(eagle_setup):  # noqa: F811
 def test_draft_vocab_is_the_most_frequent_answer_tokens():
     ex = [Example(torch.tensor([9, 9, 9, 5, 5, 7, 7, 7, 3]), torch.zeros(9, 3), torch.zeros(9, 1), 3)]
     assert draft_vocab(ex, 2, 16).tolist() == [5, 7]  # answers only: 9 is the prompt's
+
+
+def test_saved_examples_load_back_only_for_the_same_key(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    examples = [Example(torch.randint(0, 50, (n,), generator=g), torch.randn(n, 6, generator=g),
+                        torch.randn(n, 2, generator=g), p) for n, p in ((5, 2), (3, 1))]
+    key = {"model": "m", "max_tokens": 8, "prompts": "abc"}
+    path = str(tmp_path / "data.pt")
+    save_examples(path, examples, key)
+    loaded = load_examples(path, dict(key))
+    assert [e.prompt_len for e in loaded] == [2, 1]
+    for a, b in zip(loaded, examples):
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.features, b.features) and torch.equal(a.hidden, b.hidden)
+    with pytest.raises(ValueError, match="generated for"):
+        load_examples(path, {**key, "max_tokens": 16})
