@@ -63,10 +63,43 @@ def test_goodput_choice_is_the_best_allocation_by_brute_force():
     cost = lambda t, s, c: 0.01 + 0.001 * t + (0.004 if t > 5 else 0.0)  # noqa: E731  a kernel switch at 5
     ks = policy.choose(reqs, 3, 3, 300, cost, no_draft_cost)
     worths = [[0.9, 0.81, 0.729], [0.5, 0.25, 0.125], [0.2, 0.04, 0.008]]
-    best = max(((a, b, c) for a in range(4) for b in range(4) for c in range(4)),
-               key=lambda k: SpecPolicy.goodput(reqs, worths, list(k), 3, 3, 300, cost, no_draft_cost))
-    g = lambda k: SpecPolicy.goodput(reqs, worths, list(k), 3, 3, 300, cost, no_draft_cost)  # noqa: E731
+    g = lambda k: SpecPolicy.goodput(reqs, worths, [0.0] * 3, 3, 3, 300, cost, no_draft_cost, list(k))  # noqa: E731
+    best = max(((a, b, c) for a in range(4) for b in range(4) for c in range(4)), key=g)
     assert g(ks) == pytest.approx(g(best), rel=0.02)
+
+
+def test_a_backlog_is_spread_over_the_steps_the_request_has_left():
+    """Starting to draft after a long prompt costs one catch-up over the prompt; spread over the
+    request's remaining steps it pays, charged to one step it never would. A request that drafted
+    last step pays its (recurring) catch-up in full."""
+    policy = SpecPolicy("adaptive", 4)
+    catch_up_cost = lambda f, t, c: 0.0001 * c  # noqa: E731  2000 positions: 0.2 s, ten steps' worth
+    fresh = views([0.8])
+    fresh[0].catch_up, fresh[0].remaining = 2000, 1000
+    assert policy.choose(fresh, 1, 1, 2000, memory_bound, catch_up_cost)[0] > 0
+    fresh[0].remaining = 3  # nearly done: the backlog is not worth it
+    assert policy.choose(fresh, 1, 1, 2000, memory_bound, catch_up_cost) == [0]
+    steady = views([0.8], prev=[2])
+    steady[0].catch_up, steady[0].remaining = 2000, 1000
+    assert policy.choose(steady, 1, 1, 2000, memory_bound, catch_up_cost) == [0]
+
+
+def test_drafts_stay_within_the_budget_left_by_prefill():
+    policy = SpecPolicy("adaptive", 4)
+    assert sum(policy.choose(views([0.9] * 4), 4, 4, 400, memory_bound, no_draft_cost, draft_budget=3)) == 3
+    assert policy.choose(views([0.9] * 4), 4, 4, 400, memory_bound, no_draft_cost, draft_budget=0) == [0] * 4
+
+
+def test_a_request_is_probed_after_a_long_pause_everywhere():
+    """With K = 0 chosen everywhere, one request (the cheapest to catch up) gets one draft every
+    `probe_every` steps, so acceptance keeps being measured."""
+    policy = SpecPolicy("adaptive", 4, probe_every=10)
+    reqs = views([0.7] * 3)
+    for r, c in zip(reqs, (50, 5, 500)):
+        r.catch_up = c
+    choices = [policy.choose(reqs, 3, 3, 300, compute_bound, no_draft_cost) for _ in range(30)]
+    assert [i for i, ks in enumerate(choices) if any(ks)] == [9, 19, 29]
+    assert choices[9] == [0, 1, 0]
 
 
 def run_noisy(margin: float, fitted: bool) -> tuple[int, list[int]]:

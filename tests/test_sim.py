@@ -238,3 +238,21 @@ def test_measured_json_profile_with_drafts_and_knots(tmp_path):
     assert m.step_time(StepShape(16, 1, 64)) == pytest.approx(0.01, rel=0.02)
     assert m.step_time(StepShape(48, 1, 64)) == pytest.approx(0.042, rel=0.02)  # the bend after 16 is kept
     assert m.draft_time([2], 10) == pytest.approx(1e-3 + 4e-3 + 1e-4, rel=0.02)
+
+
+class DearCatchUp:
+    """Verification is nearly free, but the draft head's catch-up costs 10 us a position: a
+    1000-token prompt costs one step's worth to catch up on, once."""
+
+    def step_time(self, shape):
+        return 0.01 + 1e-5 * shape.tokens
+
+    def draft_time(self, ks, catch_up):
+        return 1e-3 + 1e-5 * catch_up
+
+
+def test_adaptive_drafts_after_a_long_prompt():
+    """The prompt's catch-up is a one-off, spread over the request's steps: it must not keep a
+    request that would gain from drafting at K = 0 for good."""
+    run = _sim(DearCatchUp(), "adaptive:4", acceptance=0.8, concurrency=1, prompts=2, input_len=1000, output_len=128)
+    assert sum(run.chosen_k) / len(run.chosen_k) > 3  # 1.7 when the whole prompt is charged to one step

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.sampling_params import SamplingParams
+from tidal.spec.policy import RequestView
 
 
 class SequenceStatus(enum.Enum):
@@ -98,3 +99,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def max_drafts(self) -> int:
+        """Drafts worth proposing: what the request may still emit, less the verifier's own token."""
+        return max(0, self.params.max_tokens - len(self.output_token_ids) - 1)
+
+    def spec_view(self, max_k: int, catch_up: int) -> RequestView:
+        """What the speculation policy sees of this request (drafts capped at `max_k`)."""
+        s = self.spec
+        return RequestView(min(max_k, self.max_drafts), s.recent_reached, s.recent_accepted, catch_up,
+                           s.chosen_k, self.params.max_tokens - len(self.output_token_ids))

@@ -218,10 +218,8 @@ class LLMEngine:
         return outputs
 
     def _propose(self, seqs: list[Sequence]) -> None:
-        """Drafts for the next step, as many per request as the policy chooses; never more than
-        the request may still emit, less one for the verifier's own token."""
-        caps = [max(0, min(self.policy.max_k, s.params.max_tokens - len(s.output_token_ids) - 1)) for s in seqs]
-        ks = self._choose_k(seqs, caps)
+        """Drafts for the next step, as many per request as the policy chooses."""
+        ks = self._choose_k(seqs)
         stats = self.last_step_stats
         stats.chosen_k = list(ks)  # the policy's choice; ks is trimmed to free blocks below
         for k in ks:
@@ -240,14 +238,14 @@ class LLMEngine:
             seq.draft_token_ids = list(draft)
             seq.draft_probs = None if probs is None else probs[i]
 
-    def _choose_k(self, seqs: list[Sequence], caps: list[int]) -> list[int]:
+    def _choose_k(self, seqs: list[Sequence]) -> list[int]:
         """The policy's draft lengths, given the step the scheduler is about to build: the
         decoding requests' one token each plus the prefill it will feed next."""
-        base, num_running, context = self.scheduler.spec_load(seqs)
-        views = [RequestView(cap, s.spec.recent_reached, s.spec.recent_accepted, self.drafter.catch_up(s), s.spec.chosen_k)
-                 for s, cap in zip(seqs, caps)]
-        ks = self.policy.choose(views, base, num_running, context, self.step_cost.predict, self.draft_cost.predict)
-        self._predicted = self.step_cost.predict(base + sum(ks), num_running, context + sum(ks))
+        load = self.scheduler.spec_load(seqs)
+        views = [s.spec_view(self.policy.max_k, self.drafter.catch_up(s)) for s in seqs]
+        ks = self.policy.choose(views, load.tokens, load.seqs, load.context, self.step_cost.predict,
+                                self.draft_cost.predict, load.draft_budget)
+        self._predicted = self.step_cost.predict(load.tokens + sum(ks), load.seqs, load.context + sum(ks))
         return ks
 
     def _make_policy(self) -> SpecPolicy:

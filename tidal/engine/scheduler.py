@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tidal.config import SchedulerConfig
 from tidal.engine.block_manager import BlockManager
@@ -32,6 +33,15 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+
+
+class SpecLoad(NamedTuple):
+    """The next step as the speculation policy sees it, before drafts."""
+
+    tokens: int  # one per decoding request plus the prefill the scheduler will feed
+    seqs: int  # running sequences
+    context: int  # KV tokens they hold
+    draft_budget: int  # tokens left in the step's budget for drafts
 
 
 def _by_arrival(seq: Sequence) -> int:
@@ -73,15 +83,16 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
-    def spec_load(self, decoding: list[Sequence]) -> tuple[int, int, int]:
-        """The next step as the speculation policy sees it, before drafts: tokens (one per
-        decoding request plus the prefill the scheduler will feed), running sequences, context."""
+    def spec_load(self, decoding: list[Sequence]) -> SpecLoad:
+        """The next step before drafts: what it feeds anyway, and the room left for drafts
+        (drafts placed there never delay pending prefill or an admission)."""
         running = self.running
         ids = set(map(id, decoding))
         pending = sum(s.num_uncomputed_tokens for s in running if id(s) not in ids)
         pending += sum(s.num_uncomputed_tokens for s in self.waiting[: max(0, self.config.max_num_seqs - len(running))])
-        base = min(len(decoding) + pending, self.config.max_num_batched_tokens)
-        return base, len(running), sum(s.num_tokens for s in running)
+        budget = self.config.max_num_batched_tokens
+        base = min(len(decoding) + pending, budget)
+        return SpecLoad(base, len(running), sum(s.num_tokens for s in running), budget - base)
 
     def reserve_drafts(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> list[int]:
         """Allocate cache slots for each request's drafts (an EAGLE head writes its KV there

@@ -25,7 +25,7 @@ from tidal.sampling_params import SamplingParams
 from tidal.sequence import Sequence
 from tidal.sim.roofline import StepShape
 from tidal.spec.cost import DEFAULT_KNOTS, DraftCostModel, StepCostModel
-from tidal.spec.policy import RequestView, SpecPolicy, parse_schedule
+from tidal.spec.policy import SpecPolicy, parse_schedule
 
 
 class StepTimeModel(Protocol):
@@ -279,8 +279,7 @@ class Simulator:
 
     def _propose(self, seqs: list[Sequence]) -> None:
         """LLMEngine._propose with the drafter replaced by the step-time model's draft time."""
-        caps = [max(0, min(self.policy.max_k, s.params.max_tokens - len(s.output_token_ids) - 1)) for s in seqs]
-        ks = self._choose_k(seqs, caps)
+        ks = self._choose_k(seqs)
         if not self._profiling:
             self._run.chosen_k.extend(ks)
         for seq, k in zip(seqs, ks):
@@ -297,12 +296,12 @@ class Simulator:
             if k:
                 seq.draft_num_computed = seq.num_computed_tokens  # the drafter caught up
 
-    def _choose_k(self, seqs: list[Sequence], caps: list[int]) -> list[int]:
+    def _choose_k(self, seqs: list[Sequence]) -> list[int]:
         """LLMEngine._choose_k: the policy's draft lengths for the step about to be built."""
-        base, num_running, context = self.scheduler.spec_load(seqs)
-        views = [RequestView(cap, s.spec.recent_reached, s.spec.recent_accepted, catch_up_positions(s), s.spec.chosen_k)
-                 for s, cap in zip(seqs, caps)]
-        return self.policy.choose(views, base, num_running, context, self.step_cost.predict, self.draft_cost.predict)
+        load = self.scheduler.spec_load(seqs)
+        views = [s.spec_view(self.policy.max_k, catch_up_positions(s)) for s in seqs]
+        return self.policy.choose(views, load.tokens, load.seqs, load.context, self.step_cost.predict,
+                                  self.draft_cost.predict, load.draft_budget)
 
     def profile(self) -> None:
         """LLMEngine.profile(): anchor the cost models with steps over dummy requests at batch

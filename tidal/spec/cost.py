@@ -10,9 +10,13 @@ tokens, so the engine adds knots at 16 and 17).
 Draft phase (one proposal for the batch):
     time = e0 + e1 * head forwards + e2 * draft tokens + e3 * catch-up tokens
 
-Both are weighted least squares over a window of recent steps plus the start-up profile (kept as
-anchors where the live load has no samples), with a small smoothness penalty on f so it
-interpolates between knots and extrapolates linearly past the last measured one.
+Both are least squares of the relative error over a window of recent steps plus the start-up
+profile (kept as anchors where the live load has no samples), with a small smoothness penalty on f
+so it interpolates between knots and extrapolates linearly past the last measured one. Relative,
+because the choices that matter are made on small decode steps: in absolute seconds a few long
+prefill steps would outweigh them (measured on the bundled model's start-up profile: median error
+15% absolute-weighted, 8% relative-weighted; first draft forward predicted 8.0 ms absolute-
+weighted, 4.2 ms relative-weighted, measured 4.8-6.5 ms).
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ DEFAULT_KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 class _LeastSquares:
-    """Weighted ridge least squares over anchors + a sliding window of samples, refitted lazily."""
+    """Ridge least squares of the relative error (each row weighted by 1/y) over anchors + a
+    sliding window of samples, refitted lazily."""
 
     def __init__(self, num_features: int, window: int, penalty: np.ndarray):
         self.anchors: list[tuple[np.ndarray, float]] = []
@@ -45,8 +50,10 @@ class _LeastSquares:
             rows = list(self.anchors) + list(self.samples)
             X = np.array([r[0] for r in rows])
             y = np.array([r[1] for r in rows])
-            A = X.T @ X + self.penalty
-            self.coef = np.linalg.solve(A + 1e-12 * np.eye(len(A)), X.T @ y).tolist()
+            w = 1.0 / np.maximum(y, 1e-6)
+            Xw, yw = X * w[:, None], y * w
+            A = Xw.T @ Xw + self.penalty * float(np.median(w)) ** 2  # as strong as unweighted
+            self.coef = np.linalg.solve(A + 1e-12 * np.eye(len(A)), Xw.T @ yw).tolist()
             self.floor = float(y.min())
             self._dirty = False
         return self.coef

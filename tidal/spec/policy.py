@@ -10,7 +10,22 @@ engine-wide per-position rate (the prior a new request starts from). The j-th dr
 is worth prod_{l<=j} a_il tokens, which never grows with j, so taking drafts in order of worth and
 keeping the best prefix finds the optimum over the two costs: requests that rarely accept lose
 their drafts first, and when a token costs more than the best draft is worth, everyone gets 0.
-A request that resumes drafting after a pause is charged its drafter catch-up.
+Catch-up (EAGLE-3): a request that drafted last step is charged the positions its head must
+process this step in full; that recurs every step it drafts. A request that starts or resumes
+drafting first has its whole backlog to catch up on (its prompt, or every token since it paused).
+That is a one-off: charging it all to one step would make a request look dear exactly once, at the
+start, so after a long prompt it would never draft, and its backlog (and the charge) would only
+grow. The policy spreads it over the steps the request has left: backlog / (remaining tokens /
+tokens per step at its best allocation), and in full when the request's length is unknown.
+
+Budget: the drafts of a step come out of the step's token budget before waiting prefill does, so
+the policy takes at most `draft_budget` drafts in all (the budget left once every decoding request
+has its token and the pending prefill has its share): speculation never delays an admission.
+
+Exploration: a request's acceptance is only measured while it drafts. If the policy has chosen
+K = 0 everywhere for `probe_every` steps in a row, it gives one draft to the request cheapest to
+catch up, so an estimate made under other load (or an unlucky start) cannot keep speculation off
+for good. That costs one draft-head forward every `probe_every` steps.
 
 Hysteresis: the last step's choice is kept unless the new one is better by `margin`, so noise in
 measured step times or in acceptance does not make K flap.
@@ -33,6 +48,7 @@ class RequestView:
     accepted: list[float]  # ... and of those that accepted it
     catch_up: int = 0  # positions the drafter must catch up on before drafting (EAGLE after a pause)
     prev_k: int | None = None  # what it got last step
+    remaining: int | None = None  # tokens it may still emit (None: unknown)
 
 
 def parse_schedule(text: str) -> list[tuple[int, int | None, int]]:
@@ -77,14 +93,15 @@ def draft_worths(alphas: list[float], k: int) -> list[float]:
 
 
 VerifyCost = Callable[[int, int, int], float]  # (tokens, seqs, context) -> seconds
-DraftCost = Callable[[int, int, int], float]  # (forwards, draft tokens, catch-up tokens) -> seconds
+DraftCost = Callable[[int, int, float], float]  # (forwards, draft tokens, catch-up positions) -> seconds
 
 
 class SpecPolicy:
     """Chooses draft lengths per request each step: fixed K, a batch-size schedule, or adaptive."""
 
     def __init__(self, mode: str, max_k: int, schedule: str | None = None, margin: float = 0.03,
-                 prior_weight: float = 2.0, decay: float = 0.98, initial_acceptance: float = 0.5):
+                 prior_weight: float = 2.0, decay: float = 0.98, initial_acceptance: float = 0.5,
+                 probe_every: int = 64):
         if mode not in MODES:
             raise ValueError(f"speculation mode {mode!r} is not one of {', '.join(MODES)}")
         self.mode, self.max_k, self.margin, self.prior_weight, self.decay = mode, max_k, margin, prior_weight, decay
@@ -94,6 +111,8 @@ class SpecPolicy:
         # engine-wide recency-weighted counts per draft position: the prior of every request
         self._reached = [1.0] * max_k
         self._accepted = [initial_acceptance] * max_k
+        self.probe_every = probe_every
+        self._idle = 0  # adaptive steps in a row with no drafts anywhere
 
     @property
     def prior(self) -> list[float]:
@@ -106,9 +125,10 @@ class SpecPolicy:
             self._accepted[l] = self.decay * self._accepted[l] + (l < num_accepted)
 
     def choose(self, requests: list[RequestView], base_tokens: int, seqs: int, context: int,
-               verify_cost: VerifyCost, draft_cost: DraftCost) -> list[int]:
+               verify_cost: VerifyCost, draft_cost: DraftCost, draft_budget: int | None = None) -> list[int]:
         """Draft lengths for `requests` (the decoding ones) in a step that also feeds
-        `base_tokens` non-draft tokens over `seqs` sequences holding `context` KV tokens."""
+        `base_tokens` non-draft tokens over `seqs` sequences holding `context` KV tokens, with
+        room for at most `draft_budget` drafts in all (adaptive mode only; None: no limit)."""
         if self.mode == "fixed":
             return [min(self.max_k, r.max_k) for r in requests]
         if self.mode == "schedule":
@@ -116,33 +136,58 @@ class SpecPolicy:
             return [min(k, r.max_k) for r in requests]
         worths = [draft_worths(acceptance_curve(r.reached, r.accepted, self.prior, self.prior_weight),
                                min(self.max_k, r.max_k)) for r in requests]
-        best = self.plan(requests, worths, base_tokens, seqs, context, verify_cost, draft_cost)
-        if all(r.prev_k is None for r in requests):
-            return best
-        stay = [min(r.max_k, self.max_k, best[i] if r.prev_k is None else r.prev_k) for i, r in enumerate(requests)]
-        g = lambda ks: self.goodput(requests, worths, ks, base_tokens, seqs, context, verify_cost, draft_cost)  # noqa: E731
-        return best if g(best) > (1 + self.margin) * g(stay) else stay
+        charges = [self.catch_up_charge(r, w) for r, w in zip(requests, worths)]
+        budget = sum(len(w) for w in worths) if draft_budget is None else max(0, draft_budget)
+        args = (requests, worths, charges, base_tokens, seqs, context, verify_cost, draft_cost)
+        ks = self.plan(*args, budget)
+        if any(r.prev_k is not None for r in requests):
+            stay = [min(r.max_k, self.max_k, ks[i] if r.prev_k is None else r.prev_k) for i, r in enumerate(requests)]
+            if sum(stay) <= budget and self.goodput(*args, ks) <= (1 + self.margin) * self.goodput(*args, stay):
+                ks = stay
+        return self._probe(ks, requests, charges, budget)
 
     @staticmethod
-    def goodput(requests, worths, ks, base_tokens, seqs, context, verify_cost, draft_cost) -> float:
+    def catch_up_charge(r: RequestView, worths: list[float]) -> float:
+        """Catch-up positions charged to this step if `r` drafts (see the module docstring)."""
+        if r.prev_k or r.remaining is None or not r.catch_up:
+            return float(r.catch_up)
+        steps_left = r.remaining / (1.0 + sum(worths))
+        return r.catch_up / max(1.0, steps_left)
+
+    def _probe(self, ks: list[int], requests: list[RequestView], charges: list[float], budget: int) -> list[int]:
+        """One draft for one request after `probe_every` steps without any (see the module docstring)."""
+        if any(ks):
+            self._idle = 0
+            return ks
+        self._idle += 1
+        able = [i for i, r in enumerate(requests) if min(r.max_k, self.max_k) > 0]
+        if self._idle >= self.probe_every and able and budget > 0:
+            ks = list(ks)
+            ks[min(able, key=lambda i: charges[i])] = 1
+            self._idle = 0
+        return ks
+
+    @staticmethod
+    def goodput(requests, worths, charges, base_tokens, seqs, context, verify_cost, draft_cost, ks) -> float:
         """Expected emitted tokens per second of a step with draft lengths `ks`."""
         total = sum(ks)
         emitted = len(requests) + sum(sum(w[:k]) for w, k in zip(worths, ks))
-        catch_up = sum(r.catch_up for r, k in zip(requests, ks) if k)
+        catch_up = sum(c for c, k in zip(charges, ks) if k)
         seconds = verify_cost(base_tokens + total, seqs, context + total) + draft_cost(max(ks, default=0), total, catch_up)
         return emitted / max(seconds, 1e-9)
 
     @staticmethod
-    def plan(requests, worths, base_tokens, seqs, context, verify_cost, draft_cost) -> list[int]:
-        """The goodput-best allocation among prefixes of all drafts sorted by worth."""
-        order = sorted(((w, i) for i, ws in enumerate(worths) for w in ws), key=lambda x: -x[0])
+    def plan(requests, worths, charges, base_tokens, seqs, context, verify_cost, draft_cost, budget) -> list[int]:
+        """The goodput-best allocation among prefixes (of at most `budget` drafts) of all drafts
+        sorted by worth."""
+        order = sorted(((w, i) for i, ws in enumerate(worths) for w in ws), key=lambda x: -x[0])[:budget]
         ks = [0] * len(requests)
-        emitted, total, longest, catch_up = float(len(requests)), 0, 0, 0
+        emitted, total, longest, catch_up = float(len(requests)), 0, 0, 0.0
         best_rate = emitted / max(verify_cost(base_tokens, seqs, context), 1e-9)
         best_m = 0
         for m, (w, i) in enumerate(order, 1):
             if not ks[i]:
-                catch_up += requests[i].catch_up
+                catch_up += charges[i]
             ks[i] += 1
             emitted, total, longest = emitted + w, total + 1, max(longest, ks[i])
             rate = emitted / max(verify_cost(base_tokens + total, seqs, context + total)
