@@ -2,12 +2,17 @@
 
     python benchmarks/adaptive.py [--concurrency 1,2,4,8,16,32,64,128] [--output-len 128]
                                   [--modes off,fixed:2,fixed:4,adaptive:4] [--method eagle3]
+                                  [--workload chat|rewrite]
 
-At each concurrency C, every mode serves the same requests (shipped chat prompts, greedy,
+At each concurrency C, every mode serves the same requests (shipped chat prompts, or the
+repetition-heavy rewrite prompts where an n-gram drafter has something to copy; greedy,
 exactly `output-len` tokens each) with C of them in flight at all times (closed loop), until
-`max(C, min-requests)` are done. Modes take turns per level in a rotating order, so drift in
-this machine's speed hits them alike. Prints output tok/s per mode and each mode's ratio to the
-best of the others, the adaptive policy's mean chosen K and acceptance, and the crossover.
+`max(C, min-requests)` are done. All modes' engines are loaded at once and run interleaved, one
+engine step each in turn; a mode's tok/s is its output tokens over the time spent inside its own
+steps (drafting and policy included). So a slow spell of this noisy machine slows every mode
+alike instead of whichever ran then (run one after another, two modes doing the very same work
+differed by 1.4x). Prints output tok/s per mode and each mode's ratio to the best of the others,
+the adaptive policy's mean chosen K and acceptance, and the crossover.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import time
 import torch
 
 from tidal import LLM, SamplingParams
-from tidal.bench.datasets import chat_prompts
+from tidal.bench.datasets import chat_prompts, rewrite_prompts
 from tidal.config import SpecConfig
 
 
@@ -34,30 +39,53 @@ def spec_for(mode: str, method: str) -> SpecConfig:
     return SpecConfig(method, int(arg or 4), mode=name)
 
 
-def closed_loop(llm: LLM, prompts: list[list[int]], concurrency: int, num_requests: int, output_len: int):
-    """Keep `concurrency` requests in flight until `num_requests` finish; returns (seconds,
-    output tokens, drafted, accepted, chosen-K histogram delta)."""
-    eng = llm.engine
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    hist0 = dict(eng.k_histogram)
-    started = done = tokens = drafted = accepted = 0
-    live = {}
-    t0 = time.perf_counter()
-    while done < num_requests:
-        while len(live) < concurrency and started < num_requests:
-            rid = f"r{started}"
-            live[rid] = eng.add_request(rid, prompts[started % len(prompts)], params)
-            started += 1
-        for out in eng.step():
+class ClosedLoop:
+    """Keeps `concurrency` requests in flight on one engine until `num_requests` finish, one
+    engine step per `step()` call; `seconds` counts only the time spent inside this engine."""
+
+    def __init__(self, llm: LLM, prompts: list[list[int]], concurrency: int, num_requests: int, output_len: int):
+        self.eng, self.prompts, self.concurrency, self.num_requests = llm.engine, prompts, concurrency, num_requests
+        self.params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+        self.hist0 = dict(self.eng.k_histogram)
+        self.started = self.done = self.tokens = self.drafted = self.accepted = 0
+        self.seconds = 0.0
+        self.live = {}
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.num_requests
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        while len(self.live) < self.concurrency and self.started < self.num_requests:
+            rid = f"r{self.started}"
+            self.live[rid] = self.eng.add_request(rid, self.prompts[self.started % len(self.prompts)], self.params)
+            self.started += 1
+        for out in self.eng.step():
             if out.finished:
-                seq = live.pop(out.request_id)
-                done += 1
-                tokens += len(seq.output_token_ids)
-                drafted += seq.spec.num_drafted
-                accepted += seq.spec.num_accepted
-    seconds = time.perf_counter() - t0
-    hist = {k: v - hist0.get(k, 0) for k, v in eng.k_histogram.items()}
-    return seconds, tokens, drafted, accepted, hist
+                seq = self.live.pop(out.request_id)
+                self.done += 1
+                self.tokens += len(seq.output_token_ids)
+                self.drafted += seq.spec.num_drafted
+                self.accepted += seq.spec.num_accepted
+        self.seconds += time.perf_counter() - t0
+
+    def result(self):
+        """(seconds, output tokens, drafted, accepted, chosen-K histogram delta)."""
+        hist = {k: v - self.hist0.get(k, 0) for k, v in self.eng.k_histogram.items()}
+        return self.seconds, self.tokens, self.drafted, self.accepted, hist
+
+
+def interleaved(loops: list[ClosedLoop]) -> None:
+    """Step the engines in turn, one step each, the first one changing every round, until all are
+    done: a slow spell of this machine lands on every mode alike, not on whichever ran then."""
+    rounds = 0
+    while not all(loop.finished for loop in loops):
+        k = rounds % len(loops)
+        for loop in loops[k:] + loops[:k]:
+            if not loop.finished:
+                loop.step()
+        rounds += 1
 
 
 def main():
@@ -67,6 +95,7 @@ def main():
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--modes", default="off,fixed:2,fixed:4,adaptive:4")
     ap.add_argument("--method", default="eagle3", choices=["eagle3", "ngram"])
+    ap.add_argument("--workload", default="chat", choices=["chat", "rewrite"])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json", default=None, help="also write the records here")
     args = ap.parse_args()
@@ -74,19 +103,20 @@ def main():
     levels = [int(c) for c in args.concurrency.split(",")]
     engines = {m: LLM(dtype=args.dtype, spec=spec_for(m, args.method)) for m in modes}
     tok = next(iter(engines.values())).tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in chat_prompts()]
-    for llm in engines.values():
-        closed_loop(llm, prompts, 2, 2, 8)  # warm up
+    texts = chat_prompts() if args.workload == "chat" else rewrite_prompts()
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in texts]
+    interleaved([ClosedLoop(llm, prompts, 2, 2, 8) for llm in engines.values()])  # warm up
     results = {}
-    for li, c in enumerate(levels):
-        order = modes[li % len(modes):] + modes[: li % len(modes)]
-        for m in order:
-            results[m, c] = closed_loop(engines[m], prompts, c, max(c, args.min_requests), args.output_len)
-            sec, toks, *_ = results[m, c]
-            print(f"  C={c} {m}: {toks / sec:.1f} tok/s", flush=True)
+    for c in levels:
+        loops = {m: ClosedLoop(engines[m], prompts, c, max(c, args.min_requests), args.output_len) for m in modes}
+        interleaved(list(loops.values()))
+        for m, loop in loops.items():
+            results[m, c] = loop.result()
+        print(f"  C={c}: " + ", ".join(f"{m} {r[1] / r[0]:.1f}" for (m, cc), r in results.items() if cc == c)
+              + " tok/s", flush=True)
     rate = {key: r[1] / r[0] for key, r in results.items()}
     dtype = next(iter(engines.values())).engine.dtype
-    print(f"\n# {args.method}, {args.output_len} greedy tokens per request, shipped chat prompts, "
+    print(f"\n# {args.method}, {args.output_len} greedy tokens per request, shipped {args.workload} prompts, "
           f"closed loop; dtype {dtype}, torch {torch.__version__}, {platform.processor() or platform.machine()}")
     print("| concurrency | " + " | ".join(f"{m} tok/s" for m in modes) + " | "
           + " | ".join(f"{m} / best other" for m in modes) + " | adaptive mean K | adaptive acceptance |")

@@ -2,11 +2,14 @@
 prefill and preemption (a tiny random model runs the engine; speculation off, so no acceptance
 sampling makes the two differ)."""
 
+import csv
+
 import pytest
 
 from tidal import SamplingParams
 from tidal.config import CacheConfig, SchedulerConfig
 from tidal.engine.llm_engine import LLM
+from tidal.sim.measured import MeasuredModel
 from tidal.sim.simulator import AcceptanceModel, Simulator, Workload, parse_modes
 
 CONCURRENCY, NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 4, 7, 20, 16
@@ -28,18 +31,15 @@ def run_closed_loop(eng) -> None:
                 sent += 1
 
 
-def engine_steps(model_dir) -> list[tuple[int, int, int]]:
-    llm = LLM(str(model_dir), dtype="float32", cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS), scheduler=SCHEDULER)
-    eng, shapes = llm.engine, []
-    observe = eng.step_cost.observe
-
-    def spy(tokens, seqs, context, seconds, anchor=False):
-        shapes.append((tokens, seqs, context))
-        observe(tokens, seqs, context, seconds, anchor)
-
-    eng.step_cost.observe = spy
-    run_closed_loop(eng)
-    return shapes
+def engine_steps(model_dir, log_path) -> list[tuple[int, int, int]]:
+    """The engine's step shapes, read back from its --step-log file."""
+    llm = LLM(str(model_dir), dtype="float32", cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS), scheduler=SCHEDULER,
+              step_log=str(log_path))
+    run_closed_loop(llm.engine)
+    llm.engine.step_log.close()
+    rows = list(csv.DictReader(line for line in log_path.read_text().splitlines() if not line.startswith("#")))
+    assert {r["kind"] for r in rows} == {"step"}  # speculation off: no profile, no drafts
+    return [(int(r["tokens"]), int(r["seqs"]), int(r["context"])) for r in rows]
 
 
 class Recorder:
@@ -54,7 +54,7 @@ class Recorder:
         return 0.0
 
 
-def test_simulated_steps_equal_the_engines(tiny_model_dir):
+def test_simulated_steps_equal_the_engines(tiny_model_dir, tmp_path):
     rec = Recorder()
     sim = Simulator(rec, parse_modes("off")[0], AcceptanceModel((0.5,)), SCHEDULER, NUM_BLOCKS, BLOCK_SIZE)
     preempted = []
@@ -70,8 +70,12 @@ def test_simulated_steps_equal_the_engines(tiny_model_dir):
     assert preempted, "the case should exercise preemption"
     assert any(t > s for t, s, _ in rec.shapes), "the case should exercise chunked prefill"
     assert [t.num_tokens for t in run.traces] == [OUTPUT_LEN] * NUM_PROMPTS
-    assert engine_steps(tiny_model_dir) == rec.shapes
+    log = tmp_path / "steps.csv"
+    assert engine_steps(tiny_model_dir, log) == rec.shapes
     assert run.duration == pytest.approx(0.01 * len(rec.shapes))
+    measured = MeasuredModel.load(log)  # the step log is a profile tidal sim reads
+    assert measured.knots == tuple(LLM(str(tiny_model_dir), dtype="float32").engine.step_cost.knots)
+    assert measured.step_cost.num_samples == len(rec.shapes)
 
 
 class KnowingDrafter:

@@ -21,6 +21,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-schedule", default=None,
                    help='batch size to K, vLLM-style, e.g. "1-4:4,5-16:2,17-:0" (replaces --speculation)')
     p.add_argument("--draft-model", default=None, help="EAGLE-3 head directory (HF layout)")
+    p.add_argument("--step-log", default=None,
+                   help="append every measured step and draft proposal to this CSV (tidal sim --profile reads it)")
 
 
 def _engine_kwargs(args) -> dict:
@@ -35,7 +37,7 @@ def _engine_kwargs(args) -> dict:
         mode = "schedule" if args.spec_schedule else args.speculation
         spec = SpecConfig(method, args.num_speculative_tokens or 4, draft_model=args.draft_model,
                           mode=mode, schedule=args.spec_schedule)
-    return dict(dtype=args.dtype, device=args.device, spec=spec)
+    return dict(dtype=args.dtype, device=args.device, spec=spec, step_log=args.step_log)
 
 
 def _generate(args) -> int:

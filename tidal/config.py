@@ -103,6 +103,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    step_log: str | None = None  # append every measured step and draft proposal to this CSV file
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -1,6 +1,7 @@
 """Local `tidal serve` processes for `tidal bench --launch`: started one after another on free
 loopback ports (so one's start-up, including the adaptive policy's timing profile, never
-competes with another's), stopped with SIGTERM then kill, whatever ends the sweep."""
+competes with another's), stopped with SIGTERM then kill, whatever ends the sweep. Each writes
+its step-time log (`--step-log`) beside its server log, for `tidal sim --profile`."""
 
 from __future__ import annotations
 
@@ -59,8 +60,9 @@ def start_server(mode: str, extra_args: list[str], log_dir: Path, threads: int, 
     """Start `tidal serve` in `mode` and wait until /health answers 200."""
     port = free_port()
     log_path = log_dir / f"server-{mode.replace(':', '-')}-{port}.log"
+    step_log = log_path.with_name(f"steps-{mode.replace(':', '-')}-{port}.csv")  # what tidal sim --profile reads
     cmd = [sys.executable, "-m", "tidal.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--no-access-log", "--log-level", "warning", *serve_args(mode), *extra_args]
+           "--no-access-log", "--log-level", "warning", "--step-log", str(step_log), *serve_args(mode), *extra_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     with open(log_path, "wb") as log:
         # a session of its own: the terminal's Ctrl-C reaches only the bench, which stops it

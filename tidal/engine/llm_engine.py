@@ -13,6 +13,7 @@ from tidal.config import EngineConfig, SpecConfig
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.scheduler import Scheduler
+from tidal.engine.step_log import StepLog
 from tidal.layers.linear import INT4_MAX_TOKENS
 from tidal.models import loader
 from tidal.models.llama import LlamaModel
@@ -116,6 +117,7 @@ class LLMEngine:
         self.step_cost = StepCostModel(DEFAULT_KNOTS + ((INT4_MAX_TOKENS, INT4_MAX_TOKENS + 1) if int4 else ()))
         self.draft_cost = DraftCostModel()
         self.last_step_stats = StepStats()
+        self.step_log = StepLog(config.step_log, tuple(self.step_cost.knots)) if config.step_log else None
         self.k_histogram: dict[int, int] = {}  # how often each draft length was chosen, all steps
         self.policy = self._make_policy() if self.drafter is not None else None
         self._profiling = False
@@ -186,6 +188,8 @@ class LLMEngine:
         stats.seconds = time.perf_counter() - start
         context = sum(s.seq.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
         self.step_cost.observe(stats.num_tokens, stats.num_seqs, context, stats.seconds, anchor=self._profiling)
+        if self.step_log is not None:
+            self.step_log.step(stats.num_tokens, stats.num_seqs, context, stats.seconds, self._profiling)
         self.last_step_stats = stats
         gained = iter(results)
         outputs, decoding = [], []
@@ -234,6 +238,8 @@ class LLMEngine:
         drafts, probs = self.drafter.propose(seqs, ks)
         stats.draft_seconds = time.perf_counter() - start
         self.draft_cost.observe(max(ks), sum(ks), catch_up, stats.draft_seconds, anchor=self._profiling)
+        if self.step_log is not None:
+            self.step_log.draft(max(ks), sum(ks), catch_up, stats.draft_seconds, self._profiling)
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
             seq.draft_token_ids = list(draft)
             seq.draft_probs = None if probs is None else probs[i]

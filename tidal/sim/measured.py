@@ -4,9 +4,11 @@ The file is CSV with a header `tokens,seqs,context,seconds` (optional further ro
 points, see below), or JSON: {"steps": [[tokens, seqs, context, seconds], ...],
 "drafts": [[forwards, tokens, catch_up, seconds], ...], "knots": [1, 2, 4, ...]} (knots: the
 token counts where the step time may bend, default StepCostModel's; the engine adds 16 and 17
-on CPUs with the int4 kernel, and the simulated policy's cost model uses them too). A CSV row whose `kind` column is
-"draft" reads its columns as forwards, tokens, catch_up, seconds. Without draft points the
-drafter costs nothing (an n-gram drafter, or a profile that did not time it).
+on CPUs with the int4 kernel, and the simulated policy's cost model uses them too). A CSV row
+whose `kind` column ends in "draft" reads its columns as forwards, tokens, catch_up, seconds; a leading
+comment `# knots=1,2,4,...` sets the knots. The engine's `--step-log` file is such a CSV
+(tidal.engine.step_log). Without draft points the drafter costs nothing (an n-gram drafter, or a
+profile that did not time it).
 """
 
 from __future__ import annotations
@@ -45,13 +47,17 @@ class MeasuredModel:
             data = json.loads(text)
             return cls([tuple(p) for p in data["steps"]], [tuple(p) for p in data.get("drafts", [])],
                        data.get("knots", DEFAULT_KNOTS))
-        steps, drafts = [], []
-        for row in csv.DictReader(text.splitlines()):
-            if row.get("kind") == "draft":
+        steps, drafts, knots = [], [], DEFAULT_KNOTS
+        lines = text.splitlines()
+        for line in lines:
+            if line.startswith("# knots="):
+                knots = tuple(int(k) for k in line.removeprefix("# knots=").split(","))
+        for row in csv.DictReader(line for line in lines if not line.startswith("#")):
+            if (row.get("kind") or "").endswith("draft"):
                 drafts.append((row["forwards"], row["tokens"], row["catch_up"], row["seconds"]))
             else:
                 steps.append((row["tokens"], row["seqs"], row["context"], row["seconds"]))
-        return cls(steps, drafts)
+        return cls(steps, drafts, knots)
 
     def step_time(self, shape: StepShape) -> float:
         """StepCostModel's prediction for the step's tokens, sequences and context."""

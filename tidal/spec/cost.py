@@ -1,14 +1,14 @@
 """Step-time models fitted online from the engine's own measured steps. Plain numbers only.
 
 Target step (prefill chunks, decode tokens and draft tokens to verify, one forward):
-    time = f(tokens) + c * sequences + d * context tokens
+    time = f(tokens) + c * sequences + d * context tokens,  c, d >= 0
 where f is piecewise linear over knots in the token count. A straight line in tokens would miss
 what matters on real hardware: a step is nearly flat while weights dominate (memory bound) and
 grows once compute does, and a kernel switch makes a jump (tidal's CPU int4 path ends at 16
 tokens, so the engine adds knots at 16 and 17).
 
 Draft phase (one proposal for the batch):
-    time = e0 + e1 * head forwards + e2 * draft tokens + e3 * catch-up tokens
+    time = e0 + e1 * head forwards + e2 * draft tokens + e3 * catch-up tokens,  all e >= 0
 
 Both are least squares of the relative error over a window of recent steps plus the start-up
 profile (kept as anchors where the live load has no samples), with a small smoothness penalty on f
@@ -16,7 +16,9 @@ so it interpolates between knots and extrapolates linearly past the last measure
 because the choices that matter are made on small decode steps: in absolute seconds a few long
 prefill steps would outweigh them (measured on the bundled model's start-up profile: median error
 15% absolute-weighted, 8% relative-weighted; first draft forward predicted 8.0 ms absolute-
-weighted, 4.2 ms relative-weighted, measured 4.8-6.5 ms).
+weighted, 4.2 ms relative-weighted, measured 4.8-6.5 ms). The per-sequence and per-context
+terms may not be negative: fitted freely on the start-up profile (at most 64 sequences) they
+came out negative, and a step of 128 sequences was predicted at 26 ms; it took 595 ms.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class _LeastSquares:
     """Ridge least squares of the relative error (each row weighted by 1/y) over anchors + a
     sliding window of samples, refitted lazily."""
 
-    def __init__(self, num_features: int, window: int, penalty: np.ndarray):
+    def __init__(self, num_features: int, window: int, penalty: np.ndarray, nonneg: tuple[int, ...] = ()):
+        self.nonneg = nonneg  # coefficients that may not be negative (a cost never falls as it grows)
         self.anchors: list[tuple[np.ndarray, float]] = []
         self.samples: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self.penalty = penalty
@@ -53,7 +56,16 @@ class _LeastSquares:
             w = 1.0 / np.maximum(y, 1e-6)
             Xw, yw = X * w[:, None], y * w
             A = Xw.T @ Xw + self.penalty * float(np.median(w)) ** 2  # as strong as unweighted
-            self.coef = np.linalg.solve(A + 1e-12 * np.eye(len(A)), Xw.T @ yw).tolist()
+            A, b = A + 1e-12 * np.eye(len(A)), Xw.T @ yw
+            free = list(range(len(b)))
+            while True:  # active set: a constrained coefficient that comes out negative is held at 0
+                coef = np.zeros(len(b))
+                coef[free] = np.linalg.solve(A[np.ix_(free, free)], b[free])
+                bad = [i for i in self.nonneg if i in free and coef[i] < 0]
+                if not bad:
+                    break
+                free.remove(min(bad, key=lambda i: coef[i]))
+            self.coef = coef.tolist()
             self.floor = float(y.min())
             self._dirty = False
         return self.coef
@@ -75,7 +87,7 @@ class StepCostModel:
         for i in range(n - 2):
             h0, h1 = self.knots[i + 1] - self.knots[i], self.knots[i + 2] - self.knots[i + 1]
             D[i, i], D[i, i + 1], D[i, i + 2] = 1 / h0, -(1 / h0 + 1 / h1), 1 / h1
-        self._fit = _LeastSquares(n + 2, window, smoothness * D.T @ D + 1e-9 * np.eye(n + 2))
+        self._fit = _LeastSquares(n + 2, window, smoothness * D.T @ D + 1e-9 * np.eye(n + 2), nonneg=(n, n + 1))
 
     def features(self, tokens: int, seqs: int, context: int) -> np.ndarray:
         """Hat-function weights of `tokens` on the knots (linear past either end), then seqs, context."""
@@ -107,7 +119,7 @@ class DraftCostModel:
     all, after catching the drafter up on `catch_up` skipped positions (EAGLE-3)."""
 
     def __init__(self, window: int = 256):
-        self._fit = _LeastSquares(4, window, 1e-9 * np.eye(4))
+        self._fit = _LeastSquares(4, window, 1e-9 * np.eye(4), nonneg=(0, 1, 2, 3))
 
     @staticmethod
     def features(forwards: int, tokens: int, catch_up: int) -> np.ndarray:

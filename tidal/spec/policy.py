@@ -1,12 +1,16 @@
 """SpecPolicy: how many draft tokens each request gets this step (0 = none). Plain numbers only.
 
-Adaptive mode maximises the step's goodput, expected emitted tokens per second:
+Adaptive mode maximises the step's goodput, expected emitted tokens per second of decoding:
 
-    goodput(k) = sum_i E_i(k_i) / (verify(tokens + sum k, seqs, context) + draft(max k, sum k, catch-up))
+    goodput(k) = sum_i E_i(k_i) / (verify(tokens + sum k, seqs, context) - prefill + draft(max k, sum k, catch-up))
 
 where E_i(k) = 1 + sum_{j<=k} prod_{l<=j} a_il, a_il being request i's acceptance of draft
 position l given the ones before it were accepted: its own recent counts smoothed towards the
-engine-wide per-position rate (the prior a new request starts from). The j-th draft of request i
+engine-wide per-position rate (the prior a new request starts from), and `prefill` is what the
+step's prefill tokens add to it, verify(tokens) - verify(decoding requests): prefill emits
+nothing now but is work owed anyway, so a draft is judged by what it adds against the rate of
+plain decoding, not against a step that looks slow because it also prefills (counting that time
+would make drafts look nearly free in every prefill step). The j-th draft of request i
 is worth prod_{l<=j} a_il tokens, which never grows with j, so taking drafts in order of worth and
 keeping the best prefix finds the optimum over the two costs: requests that rarely accept lose
 their drafts first, and when a token costs more than the best draft is worth, everyone gets 0.
@@ -168,12 +172,20 @@ class SpecPolicy:
         return ks
 
     @staticmethod
+    def prefill_seconds(requests, base_tokens, seqs, context, verify_cost) -> float:
+        """What the step's prefill tokens add to its time (not counted against drafts)."""
+        if base_tokens <= len(requests):
+            return 0.0
+        return max(0.0, verify_cost(base_tokens, seqs, context) - verify_cost(len(requests), seqs, context))
+
+    @staticmethod
     def goodput(requests, worths, charges, base_tokens, seqs, context, verify_cost, draft_cost, ks) -> float:
-        """Expected emitted tokens per second of a step with draft lengths `ks`."""
+        """Expected emitted tokens per second of decoding in a step with draft lengths `ks`."""
         total = sum(ks)
         emitted = len(requests) + sum(sum(w[:k]) for w, k in zip(worths, ks))
         catch_up = sum(c for c, k in zip(charges, ks) if k)
-        seconds = verify_cost(base_tokens + total, seqs, context + total) + draft_cost(max(ks, default=0), total, catch_up)
+        seconds = (verify_cost(base_tokens + total, seqs, context + total) + draft_cost(max(ks, default=0), total, catch_up)
+                   - SpecPolicy.prefill_seconds(requests, base_tokens, seqs, context, verify_cost))
         return emitted / max(seconds, 1e-9)
 
     @staticmethod
@@ -181,16 +193,17 @@ class SpecPolicy:
         """The goodput-best allocation among prefixes (of at most `budget` drafts) of all drafts
         sorted by worth."""
         order = sorted(((w, i) for i, ws in enumerate(worths) for w in ws), key=lambda x: -x[0])[:budget]
+        prefill = SpecPolicy.prefill_seconds(requests, base_tokens, seqs, context, verify_cost)
         ks = [0] * len(requests)
         emitted, total, longest, catch_up = float(len(requests)), 0, 0, 0.0
-        best_rate = emitted / max(verify_cost(base_tokens, seqs, context), 1e-9)
+        best_rate = emitted / max(verify_cost(base_tokens, seqs, context) - prefill, 1e-9)
         best_m = 0
         for m, (w, i) in enumerate(order, 1):
             if not ks[i]:
                 catch_up += charges[i]
             ks[i] += 1
             emitted, total, longest = emitted + w, total + 1, max(longest, ks[i])
-            rate = emitted / max(verify_cost(base_tokens + total, seqs, context + total)
+            rate = emitted / max(verify_cost(base_tokens + total, seqs, context + total) - prefill
                                  + draft_cost(longest, total, catch_up), 1e-9)
             if rate > best_rate:
                 best_rate, best_m = rate, m

@@ -1,0 +1,40 @@
+"""The step-time log: every measured target step and draft proposal as one CSV row.
+
+Columns: kind, tokens, seqs, context, forwards, catch_up, seconds. A step row (kind "step", or
+"profile" during the start-up profile) is what StepCostModel fits: tokens fed, running
+sequences, KV tokens held, seconds of the target forward with verification and sampling. A draft
+row (kind "draft", or "profile-draft") is what DraftCostModel fits: head forwards in the chain, draft tokens, catch-up positions,
+seconds. A new file starts with a comment line `# knots=1,2,4,...`: the token counts where the
+engine's step-time fit may bend. `tidal sim --profile FILE` reads it (tidal.sim.measured) to
+simulate this engine.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+COLUMNS = ("kind", "tokens", "seqs", "context", "forwards", "catch_up", "seconds")
+
+
+class StepLog:
+    """Appends rows to a CSV file, writing the header when the file is new or empty."""
+
+    def __init__(self, path: str | Path, knots: tuple[int, ...]):
+        path = Path(path)
+        new = not path.exists() or path.stat().st_size == 0
+        self._file = open(path, "a", newline="", buffering=1)  # line-buffered: readable while serving
+        self._writer = csv.writer(self._file)
+        if new:
+            self._file.write("# knots=" + ",".join(map(str, knots)) + "\n")
+            self._writer.writerow(COLUMNS)
+
+    def step(self, tokens: int, seqs: int, context: int, seconds: float, profile: bool = False) -> None:
+        self._writer.writerow(("profile" if profile else "step", tokens, seqs, context, "", "", f"{seconds:.6f}"))
+
+    def draft(self, forwards: int, tokens: int, catch_up: int, seconds: float, profile: bool = False) -> None:
+        self._writer.writerow(("profile-draft" if profile else "draft", tokens, "", "", forwards, catch_up,
+                               f"{seconds:.6f}"))
+
+    def close(self) -> None:
+        self._file.close()
