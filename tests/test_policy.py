@@ -84,6 +84,14 @@ def test_a_backlog_is_spread_over_the_steps_the_request_has_left():
     assert policy.choose(steady, 1, 1, 2000, memory_bound, catch_up_cost) == [0]
 
 
+def test_a_prefill_in_the_step_does_not_make_drafts_look_free():
+    """Every token costs 2 ms, so a draft (worth < 1 token) never pays, with or without 1000
+    prefill tokens in the same step: the prefill's time is not counted against the drafts."""
+    policy = SpecPolicy("adaptive", 4)
+    assert policy.choose(views([0.7] * 4), 4, 4, 400, compute_bound, no_draft_cost) == [0] * 4
+    assert policy.choose(views([0.7] * 4), 1004, 5, 400, compute_bound, no_draft_cost) == [0] * 4
+
+
 def test_drafts_stay_within_the_budget_left_by_prefill():
     policy = SpecPolicy("adaptive", 4)
     assert sum(policy.choose(views([0.9] * 4), 4, 4, 400, memory_bound, no_draft_cost, draft_budget=3)) == 3
@@ -166,6 +174,19 @@ def test_step_cost_model_fits_a_piecewise_cost_and_extrapolates():
     for t in (1, 3, 16, 17, 50, 128):
         assert model.predict(t, 8, 800) == pytest.approx(true(t, 8, 800), rel=0.05)
     assert model.predict(200, 8, 800) == pytest.approx(true(200, 8, 800), rel=0.1)  # past the last knot
+
+
+def test_step_cost_never_falls_as_sequences_or_context_grow():
+    """Fitted on decode steps of up to 64 sequences whose times happen to fall with sequences
+    and context, the model holds those terms at 0 rather than extrapolate a cheaper step."""
+    model = StepCostModel()
+    for s in (1, 2, 4, 8, 16, 32, 64):
+        for extra in (0, 2, 4):
+            t = s * (1 + extra)
+            model.observe(t, s, 50 * s, 0.02 + 0.001 * t - 0.0002 * s - 1e-6 * 50 * s)
+    for t in (1, 64, 256):
+        assert model.predict(t, 128, 128 * 50) >= model.predict(t, 1, 50)
+    assert model.predict(128, 128, 6400) > 0.1
 
 
 def test_draft_cost_model_fits_forwards_tokens_and_catch_up():
