@@ -31,6 +31,13 @@ K = 0 everywhere for `probe_every` steps in a row, it gives one draft to the req
 catch up, so an estimate made under other load (or an unlucky start) cannot keep speculation off
 for good. That costs one draft-head forward every `probe_every` steps.
 
+Risk: a step with drafts must promise `min_gain` (10%) more goodput than the same step without
+any, or no request drafts. The cost model is an estimate (median error 8% on the bundled model's
+start-up profile, see cost.py) and acceptance is a recent average; near break-even an error
+either way decides, and on a 2-core CPU chasing those few percent lost 12-22% to plain decoding at
+8-32 requests (benchmarks/adaptive.py). Where speculation really pays (a memory-bound GPU step,
+good acceptance) its gain is far above the bar.
+
 Hysteresis: the last step's choice is kept unless the new one is better by `margin`, so noise in
 measured step times or in acceptance does not make K flap.
 """
@@ -103,12 +110,13 @@ DraftCost = Callable[[int, int, float], float]  # (forwards, draft tokens, catch
 class SpecPolicy:
     """Chooses draft lengths per request each step: fixed K, a batch-size schedule, or adaptive."""
 
-    def __init__(self, mode: str, max_k: int, schedule: str | None = None, margin: float = 0.03,
+    def __init__(self, mode: str, max_k: int, schedule: str | None = None, margin: float = 0.03, min_gain: float = 0.1,
                  prior_weight: float = 2.0, decay: float = 0.98, initial_acceptance: float = 0.5,
                  probe_every: int = 64):
         if mode not in MODES:
             raise ValueError(f"speculation mode {mode!r} is not one of {', '.join(MODES)}")
         self.mode, self.max_k, self.margin, self.prior_weight, self.decay = mode, max_k, margin, prior_weight, decay
+        self.min_gain = min_gain
         self.schedule = parse_schedule(schedule) if schedule else []
         if mode == "schedule" and not self.schedule:
             raise ValueError("schedule mode needs a schedule")
@@ -178,22 +186,21 @@ class SpecPolicy:
             return 0.0
         return max(0.0, verify_cost(base_tokens, seqs, context) - verify_cost(len(requests), seqs, context))
 
-    @staticmethod
-    def goodput(requests, worths, charges, base_tokens, seqs, context, verify_cost, draft_cost, ks) -> float:
-        """Expected emitted tokens per second of decoding in a step with draft lengths `ks`."""
+    def goodput(self, requests, worths, charges, base_tokens, seqs, context, verify_cost, draft_cost, ks) -> float:
+        """Expected emitted tokens per second of decoding in a step with draft lengths `ks`,
+        discounted by 1 + min_gain when any request drafts (the policy's objective)."""
         total = sum(ks)
         emitted = len(requests) + sum(sum(w[:k]) for w, k in zip(worths, ks))
         catch_up = sum(c for c, k in zip(charges, ks) if k)
         seconds = (verify_cost(base_tokens + total, seqs, context + total) + draft_cost(max(ks, default=0), total, catch_up)
-                   - SpecPolicy.prefill_seconds(requests, base_tokens, seqs, context, verify_cost))
-        return emitted / max(seconds, 1e-9)
+                   - self.prefill_seconds(requests, base_tokens, seqs, context, verify_cost))
+        return emitted / max(seconds, 1e-9) / (1 + self.min_gain if total else 1)
 
-    @staticmethod
-    def plan(requests, worths, charges, base_tokens, seqs, context, verify_cost, draft_cost, budget) -> list[int]:
+    def plan(self, requests, worths, charges, base_tokens, seqs, context, verify_cost, draft_cost, budget) -> list[int]:
         """The goodput-best allocation among prefixes (of at most `budget` drafts) of all drafts
         sorted by worth."""
         order = sorted(((w, i) for i, ws in enumerate(worths) for w in ws), key=lambda x: -x[0])[:budget]
-        prefill = SpecPolicy.prefill_seconds(requests, base_tokens, seqs, context, verify_cost)
+        prefill = self.prefill_seconds(requests, base_tokens, seqs, context, verify_cost)
         ks = [0] * len(requests)
         emitted, total, longest, catch_up = float(len(requests)), 0, 0, 0.0
         best_rate = emitted / max(verify_cost(base_tokens, seqs, context) - prefill, 1e-9)
@@ -204,7 +211,7 @@ class SpecPolicy:
             ks[i] += 1
             emitted, total, longest = emitted + w, total + 1, max(longest, ks[i])
             rate = emitted / max(verify_cost(base_tokens + total, seqs, context + total) - prefill
-                                 + draft_cost(longest, total, catch_up), 1e-9)
+                                 + draft_cost(longest, total, catch_up), 1e-9) / (1 + self.min_gain)
             if rate > best_rate:
                 best_rate, best_m = rate, m
         ks = [0] * len(requests)
