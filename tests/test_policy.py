@@ -204,3 +204,16 @@ def test_drafting_must_promise_the_minimum_gain():
     cost = lambda t, s, c: 0.010 + 0.002 * t  # noqa: E731
     assert sum(SpecPolicy("adaptive", 1, min_gain=0.1).choose(views([0.6] * 4), 4, 4, 400, cost, no_draft_cost)) == 4
     assert SpecPolicy("adaptive", 1, min_gain=0.2).choose(views([0.6] * 4), 4, 4, 400, cost, no_draft_cost) == [0] * 4
+
+
+def test_live_steps_set_the_level_of_the_start_up_profile():
+    """Profiled on an idle machine, then every live step (all plain decodes of 32 tokens) takes
+    1.5x as long: the steps only the profile measured (64 tokens) are predicted 1.5x too."""
+    true = lambda t, s, c: 0.05 + 0.002 * t  # noqa: E731
+    model = StepCostModel()
+    for t in (1, 4, 16, 32, 64, 128):
+        model.observe(t, 32, 3200, true(t, 32, 3200), anchor=True)
+    for _ in range(50):
+        model.observe(32, 32, 3200, 1.5 * true(32, 32, 3200))
+    assert model.predict(64, 32, 3200) == pytest.approx(1.5 * true(64, 32, 3200), rel=0.03)
+    assert model.predict(32, 32, 3200) == pytest.approx(1.5 * true(32, 32, 3200), rel=0.03)

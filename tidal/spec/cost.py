@@ -12,7 +12,11 @@ Draft phase (one proposal for the batch):
 
 Both are least squares of the relative error over a window of recent steps plus the start-up
 profile (kept as anchors where the live load has no samples), with a small smoothness penalty on f
-so it interpolates between knots and extrapolates linearly past the last measured one. Relative,
+so it interpolates between knots and extrapolates linearly past the last measured one. The
+anchors are rescaled by the live steps' median ratio to what the anchors alone predict: the
+profile keeps the shape, the live steps set the level. Without it, a profile taken on an idle
+machine made the steps it had measured (drafting ones) look cheap next to live steps on a busy
+one, and the policy drafted at 32 requests where that lost 13% (benchmarks/adaptive.py). Relative,
 because the choices that matter are made on small decode steps: in absolute seconds a few long
 prefill steps would outweigh them (measured on the bundled model's start-up profile: median error
 15% absolute-weighted, 8% relative-weighted; first draft forward predicted 8.0 ms absolute-
@@ -42,6 +46,7 @@ class _LeastSquares:
         self.penalty = penalty
         self.coef = [0.0] * num_features  # a plain list: cheap to index from Python
         self.floor = 0.0  # the smallest target seen, as of the last fit
+        self.scale = 1.0  # live steps' time over the anchors' prediction, as of the last fit
         self._dirty = False
 
     def add(self, x: np.ndarray, y: float, anchor: bool = False) -> None:
@@ -50,25 +55,40 @@ class _LeastSquares:
 
     def fit(self) -> list[float]:
         if self._dirty and (self.anchors or self.samples):
-            rows = list(self.anchors) + list(self.samples)
-            X = np.array([r[0] for r in rows])
-            y = np.array([r[1] for r in rows])
-            w = 1.0 / np.maximum(y, 1e-6)
-            Xw, yw = X * w[:, None], y * w
-            A = Xw.T @ Xw + self.penalty * float(np.median(w)) ** 2  # as strong as unweighted
-            A, b = A + 1e-12 * np.eye(len(A)), Xw.T @ yw
-            free = list(range(len(b)))
-            while True:  # active set: a constrained coefficient that comes out negative is held at 0
-                coef = np.zeros(len(b))
-                coef[free] = np.linalg.solve(A[np.ix_(free, free)], b[free])
-                bad = [i for i in self.nonneg if i in free and coef[i] < 0]
-                if not bad:
-                    break
-                free.remove(min(bad, key=lambda i: coef[i]))
-            self.coef = coef.tolist()
+            X, y = self._arrays(self.anchors)
+            if self.anchors and self.samples:
+                # the anchors give the shape, the live steps the level: rescale the anchors by the
+                # live steps' median ratio to what the anchors alone predict (a profile taken on an
+                # idle machine must not make extra tokens look cheap on a busy one)
+                Xs, ys = self._arrays(self.samples)
+                predicted = Xs @ np.array(self._solve(X, y))
+                ratio = ys / np.maximum(predicted, 1e-9)
+                self.scale = float(np.clip(np.median(ratio), 0.2, 5.0)) if (predicted > 0).all() else 1.0
+                X, y = np.vstack([X, Xs]), np.concatenate([y * self.scale, ys])
+            elif self.samples:
+                X, y = self._arrays(self.samples)
+            self.coef = self._solve(X, y)
             self.floor = float(y.min())
             self._dirty = False
         return self.coef
+
+    @staticmethod
+    def _arrays(rows) -> tuple[np.ndarray, np.ndarray]:
+        return np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
+
+    def _solve(self, X: np.ndarray, y: np.ndarray) -> list[float]:
+        w = 1.0 / np.maximum(y, 1e-6)
+        Xw, yw = X * w[:, None], y * w
+        A = Xw.T @ Xw + self.penalty * float(np.median(w)) ** 2  # as strong as unweighted
+        A, b = A + 1e-12 * np.eye(len(A)), Xw.T @ yw
+        free = list(range(len(b)))
+        while True:  # active set: a constrained coefficient that comes out negative is held at 0
+            coef = np.zeros(len(b))
+            coef[free] = np.linalg.solve(A[np.ix_(free, free)], b[free])
+            bad = [i for i in self.nonneg if i in free and coef[i] < 0]
+            if not bad:
+                return coef.tolist()
+            free.remove(min(bad, key=lambda i: coef[i]))
 
     @property
     def num_samples(self) -> int:
