@@ -39,8 +39,10 @@ class MeasuredModel:
             self.draft_cost.observe(int(forwards), int(tokens), int(catch_up), float(seconds))
 
     @classmethod
-    def load(cls, path: str | Path) -> "MeasuredModel":
-        """Read a CSV or JSON profile (see the module docstring)."""
+    def load(cls, path: str | Path, kinds: set[str] | None = None) -> "MeasuredModel":
+        """Read a CSV or JSON profile (see the module docstring); from a CSV with a `kind`
+        column, only the rows of `kinds` when given (e.g. {"profile", "profile-draft"}: the
+        engine's start-up profile alone)."""
         path = Path(path)
         text = path.read_text()
         if path.suffix == ".json":
@@ -53,6 +55,8 @@ class MeasuredModel:
             if line.startswith("# knots="):
                 knots = tuple(int(k) for k in line.removeprefix("# knots=").split(","))
         for row in csv.DictReader(line for line in lines if not line.startswith("#")):
+            if kinds is not None and row.get("kind") not in kinds:
+                continue
             if (row.get("kind") or "").endswith("draft"):
                 drafts.append((row["forwards"], row["tokens"], row["catch_up"], row["seconds"]))
             else:

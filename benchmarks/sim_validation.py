@@ -1,0 +1,81 @@
+"""Does `tidal sim` predict what `tidal bench` measures? The simulator, calibrated only on a tidal
+server's start-up timing profile (its --step-log rows of kind profile / profile-draft: batches of
+1, 4, 16 and 64 requests, K = 0, 2, 4), predicts the sweep the bench measured against the same
+servers; printed side by side with the error, concurrencies the profile covered marked.
+
+    tidal bench --launch off,fixed:4,adaptive --concurrency 1,2,4,8,16,32 --num-prompts 8 \\
+        --output-len 64 --output /tmp/val/bench
+    python benchmarks/sim_validation.py --bench /tmp/val/bench.json \\
+        --profile /tmp/val/bench-logs/steps-adaptive-*.csv
+
+Acceptance for the simulated speculative modes: one per-position rate, solved from the acceptance
+length the bench measured for the fixed mode (1 + a + ... + a^K = length). Input length: the
+chat prompts' mean length under the bundled model's chat template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from tidal.bench.datasets import chat_prompts, load_tokenizer
+from tidal.config import SchedulerConfig
+from tidal.sim.measured import MeasuredModel
+from tidal.sim.simulator import AcceptanceModel, parse_modes
+from tidal.sim.sweep import SweepConfig, simulate
+
+PROFILE_BATCHES = (1, 4, 16, 64)  # LLMEngine.profile()
+
+
+def per_position_rate(length: float, k: int) -> float:
+    """a with 1 + a + a^2 + ... + a^k = length (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if sum(a ** j for j in range(k + 1)) < length else (lo, a)
+    return (lo + hi) / 2
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bench", required=True, help="tidal bench's JSON (a --launch sweep)")
+    ap.add_argument("--profile", required=True, help="a launched adaptive server's step log")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the servers' (tidal's default)")
+    args = ap.parse_args()
+    bench = json.load(open(args.bench))
+    cfg = bench["config"]
+    measured = {(r["target"], r["concurrency"]): r for r in bench["records"]}
+    modes = parse_modes(cfg["launch"])
+    model = MeasuredModel.load(args.profile, kinds={"profile", "profile-draft"})
+    tok, _ = load_tokenizer()
+    input_len = round(statistics.mean(len(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])))
+                                      for p in chat_prompts()))
+    fixed = next(m for m in modes if m.mode == "fixed")
+    lengths = [r["acceptance_length"] for (t, _), r in measured.items() if t == fixed.label and r["acceptance_length"]]
+    rate = per_position_rate(statistics.mean(lengths), fixed.max_k)
+    sweep = SweepConfig(tuple(cfg["concurrency"]), input_len, cfg["output_len"], cfg["num_prompts"],
+                        AcceptanceModel((rate,)), SchedulerConfig(256, args.max_num_batched_tokens))
+    print(f"# simulated from {model.step_cost.num_samples} profile steps of {args.profile}; input {input_len} "
+          f"tokens, output {cfg['output_len']}, {cfg['num_prompts']} requests per level, acceptance {rate:.3f} "
+          f"per position (measured length {statistics.mean(lengths):.2f} at K={fixed.max_k})")
+    print("| mode | concurrency | in profile | measured tok/s | simulated tok/s | error |")
+    print("|---|---|---|---|---|---|")
+    errors = {True: [], False: []}
+    for mode in modes:
+        for c in cfg["concurrency"]:
+            if (mode.label, c) not in measured:
+                continue
+            got = measured[mode.label, c]["output_tok_s"]
+            sim = simulate(model, mode, c, sweep).output_tok_s
+            err = sim / got - 1
+            errors[c in PROFILE_BATCHES].append(abs(err))
+            print(f"| {mode.label} | {c} | {'yes' if c in PROFILE_BATCHES else 'no'} | {got:.1f} | {sim:.1f} | {err:+.0%} |")
+    for covered, errs in errors.items():
+        if errs:
+            print(f"\n{'in' if covered else 'not in'} the profile: median |error| {statistics.median(errs):.0%}, "
+                  f"max {max(errs):.0%} over {len(errs)} points")
+
+
+if __name__ == "__main__":
+    main()
