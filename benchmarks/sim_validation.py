@@ -24,8 +24,7 @@ from tidal.config import SchedulerConfig
 from tidal.sim.measured import MeasuredModel
 from tidal.sim.simulator import AcceptanceModel, parse_modes
 from tidal.sim.sweep import SweepConfig, simulate
-
-PROFILE_BATCHES = (1, 4, 16, 64)  # LLMEngine.profile()
+from tidal.spec.cost import PROFILE_BATCH_SIZES
 
 
 def per_position_rate(length: float, k: int) -> float:
@@ -69,8 +68,8 @@ def main():
             got = measured[mode.label, c]["output_tok_s"]
             sim = simulate(model, mode, c, sweep).output_tok_s
             err = sim / got - 1
-            errors[c in PROFILE_BATCHES].append(abs(err))
-            print(f"| {mode.label} | {c} | {'yes' if c in PROFILE_BATCHES else 'no'} | {got:.1f} | {sim:.1f} | {err:+.0%} |")
+            errors[c in PROFILE_BATCH_SIZES].append(abs(err))
+            print(f"| {mode.label} | {c} | {'yes' if c in PROFILE_BATCH_SIZES else 'no'} | {got:.1f} | {sim:.1f} | {err:+.0%} |")
     for covered, errs in errors.items():
         if errs:
             print(f"\n{'in' if covered else 'not in'} the profile: median |error| {statistics.median(errs):.0%}, "

@@ -22,7 +22,8 @@ from tidal.sequence import Sequence, SpecStats
 from tidal.models.eagle3 import load_eagle3
 from tidal.spec.drafter import Drafter
 from tidal.spec.eagle import Eagle3Drafter
-from tidal.spec.cost import DEFAULT_KNOTS, DraftCostModel, StepCostModel
+from tidal.spec.cost import (DEFAULT_KNOTS, PROFILE_MAX_TOKENS, PROFILE_PROMPT_LEN, DraftCostModel,
+                             StepCostModel, profile_grid)
 from tidal.spec.ngram import NgramDrafter
 from tidal.spec.policy import RequestView, SpecPolicy, parse_schedule
 
@@ -259,25 +260,22 @@ class LLMEngine:
         max_k = max(k for *_, k in parse_schedule(spec.schedule)) if spec.schedule else spec.num_speculative_tokens
         return SpecPolicy(spec.mode, max_k, spec.schedule)
 
-    def profile(self, prompt_len: int = 48, max_tokens: int = 6) -> None:
+    def profile(self) -> None:
         """Seed the cost models with real steps over dummy requests at a few batch sizes and
-        draft lengths (a few seconds at start-up); they stay in the fits as anchors where the live
-        load has no samples. The policy's acceptance prior is left as it was."""
+        draft lengths (cost.profile_grid; a few seconds at start-up); they stay in the fits as
+        anchors where the live load has no samples. The policy's acceptance prior is left as it was."""
         policy = self.policy
-        greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        prompt = [(7 * i) % 97 + 3 for i in range(8)] * (prompt_len // 8)  # repeats, so n-gram drafts too
+        greedy = SamplingParams(max_tokens=PROFILE_MAX_TOKENS, temperature=0, ignore_eos=True)
+        prompt = [(7 * i) % 97 + 3 for i in range(8)] * (PROFILE_PROMPT_LEN // 8)  # repeats, so n-gram drafts too
         self._profiling = True
         try:
-            for n in (1, 4, 16, 64):
-                for k in (0, 2, 4):
-                    if n * (prompt_len + max_tokens + k) > self.block_manager.num_blocks * self.block_manager.block_size // 2:
-                        continue
-                    self.policy = SpecPolicy("fixed", k) if k else None
-                    ids = [f"profile-{n}-{k}-{i}" for i in range(n)]
-                    for rid in ids:
-                        self.add_request(rid, prompt, greedy)
-                    while any(rid in self._requests for rid in ids):
-                        self.step()
+            for n, k in profile_grid(self.block_manager.num_blocks * self.block_manager.block_size):
+                self.policy = SpecPolicy("fixed", k) if k else None
+                ids = [f"profile-{n}-{k}-{i}" for i in range(n)]
+                for rid in ids:
+                    self.add_request(rid, prompt, greedy)
+                while any(rid in self._requests for rid in ids):
+                    self.step()
         finally:
             self.policy, self._profiling = policy, False
             self.last_step_stats = StepStats()

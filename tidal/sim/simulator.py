@@ -24,7 +24,8 @@ from tidal.engine.scheduler import ScheduledSeq, Scheduler
 from tidal.sampling_params import SamplingParams
 from tidal.sequence import Sequence
 from tidal.sim.roofline import StepShape
-from tidal.spec.cost import DEFAULT_KNOTS, DraftCostModel, StepCostModel
+from tidal.spec.cost import (DEFAULT_KNOTS, PROFILE_MAX_TOKENS, PROFILE_PROMPT_LEN, DraftCostModel,
+                             StepCostModel, profile_grid)
 from tidal.spec.policy import SpecPolicy, parse_schedule
 
 
@@ -185,8 +186,6 @@ class SimRun:
 class Simulator:
     """Runs a workload through the real scheduler and policy on simulated time."""
 
-    PROFILE_PROMPT_LEN, PROFILE_MAX_TOKENS = 48, 6  # as LLMEngine.profile()
-
     def __init__(self, step_model: StepTimeModel, mode: SpecMode, acceptance: AcceptanceModel,
                  scheduler: SchedulerConfig = SchedulerConfig(), num_blocks: int = 1 << 16,
                  block_size: int = 16, seed: int = 0, knots=DEFAULT_KNOTS):
@@ -304,22 +303,17 @@ class Simulator:
                                   self.draft_cost.predict, load.draft_budget)
 
     def profile(self) -> None:
-        """LLMEngine.profile(): anchor the cost models with steps over dummy requests at batch
-        sizes 1, 4, 16, 64 and draft lengths 0, 2, 4; the simulated clock does not move."""
+        """LLMEngine.profile(): anchor the cost models with steps over dummy requests at the
+        batch sizes and draft lengths of cost.profile_grid; the simulated clock does not move."""
         policy, clock, run = self.policy, self.clock, self._run
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        prompt, max_tokens = [1] * self.PROFILE_PROMPT_LEN, self.PROFILE_MAX_TOKENS
         self._profiling = True
         try:
-            for n in (1, 4, 16, 64):
-                for k in (0, 2, 4):
-                    if n * (len(prompt) + max_tokens + k) > capacity // 2:
-                        continue
-                    self.policy = SpecPolicy("fixed", k) if k else None
-                    for _ in range(n):
-                        self._add(prompt, max_tokens)
-                    while self.scheduler.has_unfinished():
-                        self.step()
+            for n, k in profile_grid(self.block_manager.num_blocks * self.block_manager.block_size):
+                self.policy = SpecPolicy("fixed", k) if k else None
+                for _ in range(n):
+                    self._add([1] * PROFILE_PROMPT_LEN, PROFILE_MAX_TOKENS)
+                while self.scheduler.has_unfinished():
+                    self.step()
         finally:
             self.policy, self.clock, self._run, self._profiling = policy, clock, run, False
 

@@ -8,7 +8,8 @@ from tidal.config import SchedulerConfig
 from tidal.bench.records import BenchRecord
 from tidal.sim.report import make_record
 from tidal.sim.simulator import AcceptanceModel, Simulator, SpecMode, StepTimeModel, Workload
-from tidal.spec.cost import DEFAULT_KNOTS
+from tidal.spec.cost import (DEFAULT_KNOTS, PROFILE_BATCH_SIZES, PROFILE_DRAFT_LENGTHS, PROFILE_MAX_TOKENS,
+                             PROFILE_PROMPT_LEN)
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class SweepConfig:
         if self.num_blocks:
             return self.num_blocks
         per_request = -(-(self.input_len + self.output_len + max_k + 1) // self.block_size)
-        return per_request * concurrency + 64 * -(-(48 + 6 + 4) // self.block_size) + 1
+        profile = -(-(PROFILE_PROMPT_LEN + PROFILE_MAX_TOKENS + max(PROFILE_DRAFT_LENGTHS)) // self.block_size)
+        return per_request * concurrency + max(PROFILE_BATCH_SIZES) * profile + 1
 
 
 def simulate(model: StepTimeModel, mode: SpecMode, concurrency: int, config: SweepConfig) -> BenchRecord:

@@ -34,6 +34,17 @@ import numpy as np
 
 DEFAULT_KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
+# The start-up profile that anchors both fits (LLMEngine.profile, mirrored by the simulator):
+# requests of a 48-token prompt and 6 greedy tokens, at each batch size with each draft length.
+PROFILE_PROMPT_LEN, PROFILE_MAX_TOKENS = 48, 6
+PROFILE_BATCH_SIZES, PROFILE_DRAFT_LENGTHS = (1, 4, 16, 64), (0, 2, 4)
+
+
+def profile_grid(capacity: int) -> list[tuple[int, int]]:
+    """The profile's (batch size, draft length) points that fit in half a KV cache of `capacity` tokens."""
+    return [(n, k) for n in PROFILE_BATCH_SIZES for k in PROFILE_DRAFT_LENGTHS
+            if n * (PROFILE_PROMPT_LEN + PROFILE_MAX_TOKENS + k) <= capacity // 2]
+
 
 class _LeastSquares:
     """Ridge least squares of the relative error (each row weighted by 1/y) over anchors + a
