@@ -63,7 +63,7 @@ def test_goodput_choice_is_the_best_allocation_by_brute_force():
     cost = lambda t, s, c: 0.01 + 0.001 * t + (0.004 if t > 5 else 0.0)  # noqa: E731  a kernel switch at 5
     ks = policy.choose(reqs, 3, 3, 300, cost, no_draft_cost)
     worths = [[0.9, 0.81, 0.729], [0.5, 0.25, 0.125], [0.2, 0.04, 0.008]]
-    g = lambda k: policy.goodput(reqs, worths, [0.0] * 3, 3, 3, 300, cost, no_draft_cost, list(k))  # noqa: E731
+    g = lambda k: policy.goodput(reqs, worths, [0.0] * 3, 3, 3, 300, 0.0, cost, no_draft_cost, list(k))  # noqa: E731
     best = max(((a, b, c) for a in range(4) for b in range(4) for c in range(4)), key=g)
     assert g(ks) == pytest.approx(g(best), rel=0.02)
 

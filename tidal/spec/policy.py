@@ -150,7 +150,8 @@ class SpecPolicy:
                                min(self.max_k, r.max_k)) for r in requests]
         charges = [self.catch_up_charge(r, w) for r, w in zip(requests, worths)]
         budget = sum(len(w) for w in worths) if draft_budget is None else max(0, draft_budget)
-        args = (requests, worths, charges, base_tokens, seqs, context, verify_cost, draft_cost)
+        prefill = self.prefill_seconds(len(requests), base_tokens, seqs, context, verify_cost)
+        args = (requests, worths, charges, base_tokens, seqs, context, prefill, verify_cost, draft_cost)
         ks = self.plan(*args, budget)
         if any(r.prev_k is not None for r in requests):
             stay = [min(r.max_k, self.max_k, ks[i] if r.prev_k is None else r.prev_k) for i, r in enumerate(requests)]
@@ -180,38 +181,44 @@ class SpecPolicy:
         return ks
 
     @staticmethod
-    def prefill_seconds(requests, base_tokens, seqs, context, verify_cost) -> float:
+    def prefill_seconds(num_decoding, base_tokens, seqs, context, verify_cost) -> float:
         """What the step's prefill tokens add to its time (not counted against drafts)."""
-        if base_tokens <= len(requests):
+        if base_tokens <= num_decoding:
             return 0.0
-        return max(0.0, verify_cost(base_tokens, seqs, context) - verify_cost(len(requests), seqs, context))
+        return max(0.0, verify_cost(base_tokens, seqs, context) - verify_cost(num_decoding, seqs, context))
 
-    def goodput(self, requests, worths, charges, base_tokens, seqs, context, verify_cost, draft_cost, ks) -> float:
-        """Expected emitted tokens per second of decoding in a step with draft lengths `ks`,
-        discounted by 1 + min_gain when any request drafts (the policy's objective)."""
-        total = sum(ks)
-        emitted = len(requests) + sum(sum(w[:k]) for w, k in zip(worths, ks))
-        catch_up = sum(c for c, k in zip(charges, ks) if k)
-        seconds = (verify_cost(base_tokens + total, seqs, context + total) + draft_cost(max(ks, default=0), total, catch_up)
-                   - self.prefill_seconds(requests, base_tokens, seqs, context, verify_cost))
+    def _rate(self, emitted: float, total: int, longest: int, catch_up: float, base_tokens, seqs, context, prefill,
+              verify_cost, draft_cost) -> float:
+        """Emitted tokens per second of decoding with `total` drafts (the longest chain `longest`),
+        discounted by 1 + min_gain when there are any: the policy's objective."""
+        seconds = (verify_cost(base_tokens + total, seqs, context + total) - prefill
+                   + (draft_cost(longest, total, catch_up) if total else 0.0))  # K = 0: no drafter call
         return emitted / max(seconds, 1e-9) / (1 + self.min_gain if total else 1)
 
-    def plan(self, requests, worths, charges, base_tokens, seqs, context, verify_cost, draft_cost, budget) -> list[int]:
+    def goodput(self, requests, worths, charges, base_tokens, seqs, context, prefill, verify_cost, draft_cost,
+                ks) -> float:
+        """The objective for draft lengths `ks`: expected emitted tokens per second of decoding."""
+        emitted = len(requests) + sum(sum(w[:k]) for w, k in zip(worths, ks))
+        catch_up = sum(c for c, k in zip(charges, ks) if k)
+        return self._rate(emitted, sum(ks), max(ks, default=0), catch_up, base_tokens, seqs, context, prefill,
+                          verify_cost, draft_cost)
+
+    def plan(self, requests, worths, charges, base_tokens, seqs, context, prefill, verify_cost, draft_cost,
+             budget) -> list[int]:
         """The goodput-best allocation among prefixes (of at most `budget` drafts) of all drafts
         sorted by worth."""
         order = sorted(((w, i) for i, ws in enumerate(worths) for w in ws), key=lambda x: -x[0])[:budget]
-        prefill = self.prefill_seconds(requests, base_tokens, seqs, context, verify_cost)
+        cost = (base_tokens, seqs, context, prefill, verify_cost, draft_cost)
         ks = [0] * len(requests)
         emitted, total, longest, catch_up = float(len(requests)), 0, 0, 0.0
-        best_rate = emitted / max(verify_cost(base_tokens, seqs, context) - prefill, 1e-9)
+        best_rate = self._rate(emitted, 0, 0, 0.0, *cost)
         best_m = 0
         for m, (w, i) in enumerate(order, 1):
             if not ks[i]:
                 catch_up += charges[i]
             ks[i] += 1
             emitted, total, longest = emitted + w, total + 1, max(longest, ks[i])
-            rate = emitted / max(verify_cost(base_tokens + total, seqs, context + total) - prefill
-                                 + draft_cost(longest, total, catch_up), 1e-9) / (1 + self.min_gain)
+            rate = self._rate(emitted, total, longest, catch_up, *cost)
             if rate > best_rate:
                 best_rate, best_m = rate, m
         ks = [0] * len(requests)
