@@ -31,15 +31,15 @@ def run_closed_loop(eng) -> None:
                 sent += 1
 
 
-def engine_steps(model_dir, log_path) -> list[tuple[int, int, int]]:
-    """The engine's step shapes, read back from its --step-log file."""
+def engine_steps(model_dir, log_path) -> tuple[list[tuple[int, int, int]], tuple[int, ...]]:
+    """The engine's step shapes, read back from its --step-log file, and its step-cost knots."""
     llm = LLM(str(model_dir), dtype="float32", cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS), scheduler=SCHEDULER,
               step_log=str(log_path))
     run_closed_loop(llm.engine)
     llm.engine.step_log.close()
     rows = list(csv.DictReader(line for line in log_path.read_text().splitlines() if not line.startswith("#")))
     assert {r["kind"] for r in rows} == {"step"}  # speculation off: no profile, no drafts
-    return [(int(r["tokens"]), int(r["seqs"]), int(r["context"])) for r in rows]
+    return [(int(r["tokens"]), int(r["seqs"]), int(r["context"])) for r in rows], tuple(llm.engine.step_cost.knots)
 
 
 class Recorder:
@@ -71,10 +71,11 @@ def test_simulated_steps_equal_the_engines(tiny_model_dir, tmp_path):
     assert any(t > s for t, s, _ in rec.shapes), "the case should exercise chunked prefill"
     assert [t.num_tokens for t in run.traces] == [OUTPUT_LEN] * NUM_PROMPTS
     log = tmp_path / "steps.csv"
-    assert engine_steps(tiny_model_dir, log) == rec.shapes
+    shapes, knots = engine_steps(tiny_model_dir, log)
+    assert shapes == rec.shapes
     assert run.duration == pytest.approx(0.01 * len(rec.shapes))
     measured = MeasuredModel.load(log)  # the step log is a profile tidal sim reads
-    assert measured.knots == tuple(LLM(str(tiny_model_dir), dtype="float32").engine.step_cost.knots)
+    assert measured.knots == knots
     assert measured.step_cost.num_samples == len(rec.shapes)
 
 

@@ -100,13 +100,9 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def max_drafts(self) -> int:
-        """Drafts worth proposing: what the request may still emit, less the verifier's own token."""
-        return max(0, self.params.max_tokens - len(self.output_token_ids) - 1)
-
     def spec_view(self, max_k: int, catch_up: int) -> RequestView:
-        """What the speculation policy sees of this request (drafts capped at `max_k`)."""
-        s = self.spec
-        return RequestView(min(max_k, self.max_drafts), s.recent_reached, s.recent_accepted, catch_up,
-                           s.chosen_k, self.params.max_tokens - len(self.output_token_ids))
+        """What the speculation policy sees of this request: at most `max_k` drafts, and never
+        more than it may still emit less the verifier's own token."""
+        s, remaining = self.spec, self.params.max_tokens - len(self.output_token_ids)
+        return RequestView(min(max_k, max(0, remaining - 1)), s.recent_reached, s.recent_accepted, catch_up,
+                           s.chosen_k, remaining)
