@@ -3,7 +3,7 @@ server's start-up timing profile (its --step-log rows of kind profile / profile-
 1, 4, 16 and 64 requests, K = 0, 2, 4), predicts the sweep the bench measured against the same
 servers; printed side by side with the error, concurrencies the profile covered marked.
 
-    tidal bench --launch off,fixed:4,adaptive --concurrency 1,2,4,8,16,32 --num-prompts 8 \\
+    tidal bench --launch off,fixed:4,adaptive --concurrency 1,2,4,8,16 --num-prompts 16 \\
         --output-len 64 --output /tmp/val/bench
     python benchmarks/sim_validation.py --bench /tmp/val/bench.json \\
         --profile /tmp/val/bench-logs/steps-adaptive-*.csv
