@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 
 from tidal.spec.cost import DraftCostModel, StepCostModel
@@ -60,7 +61,7 @@ def test_draft_cost_and_catch_up_are_charged():
 def test_goodput_choice_is_the_best_allocation_by_brute_force():
     policy = SpecPolicy("adaptive", 3)
     reqs = views([0.9, 0.5, 0.2], k=3)
-    cost = lambda t, s, c: 0.01 + 0.001 * t + (0.004 if t > 5 else 0.0)  # noqa: E731  a kernel switch at 5
+    cost = lambda t, s, c: 0.01 + 0.001 * t + 0.004 * (t > 5)  # noqa: E731  a kernel switch at 5
     ks = policy.choose(reqs, 3, 3, 300, cost, no_draft_cost)
     worths = [[0.9, 0.81, 0.729], [0.5, 0.25, 0.125], [0.2, 0.04, 0.008]]
     g = lambda k: policy.goodput(reqs, worths, [0.0] * 3, 3, 3, 300, 0.0, cost, no_draft_cost, list(k))  # noqa: E731
@@ -123,7 +124,8 @@ def run_noisy(margin: float, fitted: bool) -> tuple[int, list[int]]:
     prev, changes, drafts = None, 0, []
     for _ in range(300):
         noise = {}
-        raw = lambda t, s, c: true(t, s, c) * noise.setdefault(t, rng.uniform(0.98, 1.02))  # noqa: E731
+        noisy = np.vectorize(lambda t: noise[t] if t in noise else noise.setdefault(t, rng.uniform(0.98, 1.02)))
+        raw = lambda t, s, c: true(t, s, c) * noisy(t)  # noqa: E731
         ks = policy.choose(views([0.6] * 4, k=4, prev=prev if margin else None), 4, 4, 400,
                            model.predict if fitted else raw, no_draft_cost)
         changes += prev is not None and ks != prev

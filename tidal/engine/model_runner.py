@@ -66,15 +66,20 @@ class ModelRunner:
         return AttentionGroup(token_index=t(token_index), kv_slots=t(kv_slots), mask=t(mask[:, None]),
                               out_index=t(token_index[valid]), valid=t(valid.reshape(-1)))
 
+    def slots(self, spans: list[tuple[Sequence, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Positions and cache slots of feeding each seq `n` tokens from position `start`, the
+        sequences laid out one after another."""
+        return (np.concatenate([np.arange(start, start + n) for _, start, n in spans]),
+                np.concatenate([self._slots(seq, start, start + n) for seq, start, n in spans]))
+
     def metadata(self, spans: list[tuple[Sequence, int, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
         """Positions and attention metadata for feeding each seq `n` tokens from position
         `start`, the sequences laid out one after another. The EAGLE drafter uses it too, over
         its own cache, which shares the target's block tables."""
-        positions, slots, short, groups = [], [], [], []
+        positions, slots = self.slots(spans)
+        short, groups = [], []
         offset = 0
         for seq, start, n in spans:
-            positions.append(np.arange(start, start + n))
-            slots.append(self._slots(seq, start, start + n))
             if n <= SHORT_QUERY_LEN:
                 short.append((offset, seq, start, n))
             else:
@@ -82,7 +87,7 @@ class ModelRunner:
             offset += n
         if short:
             groups.insert(0, self._group(short))
-        t = lambda a: torch.from_numpy(np.concatenate(a)).to(self.device)  # noqa: E731
+        t = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         return t(positions), AttentionMetadata(slot_mapping=t(slots), groups=groups)
 
     def prepare(self, scheduled: list[ScheduledSeq]):

@@ -29,6 +29,13 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys and values [T, kv_heads, head_dim] at their cache slots."""
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, heads, head_dim]
     k: torch.Tensor,  # [T, kv_heads, head_dim]
@@ -39,8 +46,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, attend, and return [T, heads * head_dim]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     num_tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     rep = heads // kv_heads

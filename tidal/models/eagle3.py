@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidal.config import ModelConfig
-from tidal.layers.attention import AttentionMetadata
+from tidal.layers.attention import AttentionMetadata, write_kv
 from tidal.layers.norm import rms_norm
 from tidal.layers.rotary import rope_cache
 from tidal.models.llama import DecoderLayer
@@ -112,6 +112,13 @@ class Eagle3Head(nn.Module):
         out = self.mid.block(features, self.inputs(input_ids, features), self.cos[positions],
                              self.sin[positions], *kv_cache, meta)
         return self.logits(out), out
+
+    @torch.inference_mode()
+    def write_kv(self, input_ids, features, positions, kv_cache: tuple, slot_mapping: torch.Tensor) -> None:
+        """Only the K/V of positions whose outputs nothing reads (a catch-up's all-but-last): a
+        one-layer head's K/V at a position depend on that position's input alone."""
+        _, k, v = self.mid.qkv(self.inputs(input_ids, features), self.cos[positions], self.sin[positions])
+        write_kv(k, v, *kv_cache, slot_mapping)
 
     def inputs(self, input_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The attention input [T, 2 x hidden]: [norm(embedding of token), norm(feature)]."""

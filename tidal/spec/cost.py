@@ -28,8 +28,6 @@ came out negative, and a step of 128 sequences was predicted at 26 ms; it took 5
 from __future__ import annotations
 
 import bisect
-from collections import deque
-
 import numpy as np
 
 DEFAULT_KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -53,7 +51,11 @@ class _LeastSquares:
     def __init__(self, num_features: int, window: int, penalty: np.ndarray, nonneg: tuple[int, ...] = ()):
         self.nonneg = nonneg  # coefficients that may not be negative (a cost never falls as it grows)
         self.anchors: list[tuple[np.ndarray, float]] = []
-        self.samples: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        # the window as a ring of rows, so that a refit (every step) builds no arrays: at 64
+        # requests building them from a deque of 256 samples took most of the refit's 1.2 ms
+        self._X, self._y = np.zeros((window, num_features)), np.zeros(window)
+        self._added = 0
+        self._anchor_fit = None  # (X, y, coefficients) of the anchors alone, until one is added
         self.penalty = penalty
         self.coef = [0.0] * num_features  # a plain list: cheap to index from Python
         self.floor = 0.0  # the smallest target seen, as of the last fit
@@ -61,31 +63,38 @@ class _LeastSquares:
         self._dirty = False
 
     def add(self, x: np.ndarray, y: float, anchor: bool = False) -> None:
-        (self.anchors if anchor else self.samples).append((x, y))
+        if anchor:
+            self.anchors.append((x, y))
+            self._anchor_fit = None
+        else:
+            i = self._added % len(self._y)
+            self._X[i], self._y[i] = x, y
+            self._added += 1
         self._dirty = True
 
     def fit(self) -> list[float]:
-        if self._dirty and (self.anchors or self.samples):
-            X, y = self._arrays(self.anchors)
-            if self.anchors and self.samples:
+        if self._dirty and (self.anchors or self._added):
+            n = self.num_samples
+            Xs, ys = self._X[:n], self._y[:n]
+            if self.anchors:
+                if self._anchor_fit is None:
+                    X, y = np.array([a[0] for a in self.anchors]), np.array([a[1] for a in self.anchors])
+                    self._anchor_fit = X, y, np.array(self._solve(X, y))
+                X, y, anchor_coef = self._anchor_fit
+            if self.anchors and n:
                 # the anchors give the shape, the live steps the level: rescale the anchors by the
                 # live steps' median ratio to what the anchors alone predict (a profile taken on an
                 # idle machine must not make extra tokens look cheap on a busy one)
-                Xs, ys = self._arrays(self.samples)
-                predicted = Xs @ np.array(self._solve(X, y))
+                predicted = Xs @ anchor_coef
                 ratio = ys / np.maximum(predicted, 1e-9)
                 self.scale = float(np.clip(np.median(ratio), 0.2, 5.0)) if (predicted > 0).all() else 1.0
                 X, y = np.vstack([X, Xs]), np.concatenate([y * self.scale, ys])
-            elif self.samples:
-                X, y = self._arrays(self.samples)
+            elif n:
+                X, y = Xs, ys
             self.coef = self._solve(X, y)
             self.floor = float(y.min())
             self._dirty = False
         return self.coef
-
-    @staticmethod
-    def _arrays(rows) -> tuple[np.ndarray, np.ndarray]:
-        return np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
 
     def _solve(self, X: np.ndarray, y: np.ndarray) -> list[float]:
         w = 1.0 / np.maximum(y, 1e-6)
@@ -103,7 +112,7 @@ class _LeastSquares:
 
     @property
     def num_samples(self) -> int:
-        return len(self.samples)
+        return min(self._added, len(self._y))
 
 
 class StepCostModel:
@@ -112,6 +121,7 @@ class StepCostModel:
 
     def __init__(self, knots=DEFAULT_KNOTS, window: int = 256, smoothness: float = 1e-2):
         self.knots = sorted(set(knots))
+        self._knots = np.array(self.knots, dtype=float)
         n = len(self.knots)
         # second differences of f (per token, so knot spacing does not matter) should be small
         D = np.zeros((max(0, n - 2), n + 2))
@@ -133,12 +143,14 @@ class StepCostModel:
     def observe(self, tokens: int, seqs: int, context: int, seconds: float, anchor: bool = False) -> None:
         self._fit.add(self.features(tokens, seqs, context), seconds, anchor)
 
-    def predict(self, tokens: int, seqs: int, context: int) -> float:
-        coef, k = self._fit.fit(), self.knots  # plain arithmetic: the policy calls this per candidate
-        i = min(max(bisect.bisect_right(k, tokens) - 1, 0), len(k) - 2)
+    def predict(self, tokens, seqs, context):
+        """Seconds; `tokens` and `context` may be numpy arrays (the policy prices every
+        candidate step of a choice in one call)."""
+        coef, k = np.asarray(self._fit.fit()), self._knots
+        i = np.clip(np.searchsorted(k, tokens, side="right") - 1, 0, len(k) - 2)
         w = (tokens - k[i]) / (k[i + 1] - k[i])
         value = (1 - w) * coef[i] + w * coef[i + 1] + coef[-2] * seqs + coef[-1] * context
-        return max(value, self._fit.floor)  # no step is faster than the fastest one measured
+        return np.maximum(value, self._fit.floor)  # no step is faster than the fastest one measured
 
     @property
     def num_samples(self) -> int:
@@ -159,8 +171,7 @@ class DraftCostModel:
     def observe(self, forwards: int, tokens: int, catch_up: int, seconds: float, anchor: bool = False) -> None:
         self._fit.add(self.features(forwards, tokens, catch_up), seconds, anchor)
 
-    def predict(self, forwards: int, tokens: int, catch_up: int) -> float:
-        if not forwards:
-            return 0.0
+    def predict(self, forwards, tokens, catch_up):
+        """Seconds, 0 without forwards; the arguments may be numpy arrays, as for StepCostModel."""
         e0, e1, e2, e3 = self._fit.fit()
-        return max(0.0, e0 + e1 * forwards + e2 * tokens + e3 * catch_up)
+        return np.maximum(0.0, e0 + e1 * forwards + e2 * tokens + e3 * catch_up) * (np.asarray(forwards) > 0)

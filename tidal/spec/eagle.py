@@ -60,19 +60,28 @@ class Eagle3Drafter:
 
     def _catch_up(self, seqs: list[Sequence]):
         """Run the head over every verified position it has not seen; returns the logits and
-        pre-norm outputs at each sequence's last position (which predict the first draft)."""
-        spans, ids, feats = [], [], []
+        pre-norm outputs at each sequence's last position (which predict the first draft).
+        Only the last position's output is read: the others are needed for their K/V alone (what
+        later drafts attend to), so they get the input projection and a cache write, not the
+        whole layer and the draft-vocab logits (a 200-position catch-up 4x cheaper)."""
+        ids, feats, rest, spans, last = [], [], [], [], []
         for seq in seqs:
             start, end = seq.draft_num_computed, seq.num_computed_tokens
-            spans.append((seq, start, end - start))
             ids.extend(seq.token_ids[start + 1:end + 1])  # the head pairs feature p with token p + 1
             feats.append(torch.cat(seq.draft_features))
+            rest.extend([True] * (end - 1 - start) + [False])
+            if end - 1 > start:
+                spans.append((seq, start, end - 1 - start))
+            last.append((seq, end - 1, 1))
             seq.draft_features, seq.draft_num_computed = [], end
-        positions, meta = self.runner.metadata(spans)
-        features = self.head.fuse(torch.cat(feats))
-        logits, out = self.head(torch.tensor(ids, device=positions.device), features, positions, self.kv, meta)
-        last = torch.cumsum(torch.tensor([n for _, _, n in spans]), 0) - 1
-        return logits[last], out[last]
+        device = self.runner.device
+        ids, features = torch.tensor(ids, device=device), self.head.fuse(torch.cat(feats))
+        rest = torch.tensor(rest, device=device)
+        if spans:
+            positions, slots = (torch.from_numpy(a).to(device) for a in self.runner.slots(spans))
+            self.head.write_kv(ids[rest], features[rest], positions, self.kv, slots)
+        positions, meta = self.runner.metadata(last)
+        return self.head(ids[~rest], features[~rest], positions, self.kv, meta)
 
     def _extend(self, seqs: list[Sequence], tokens: list[int], features: torch.Tensor, j: int):
         """One chain step: feed draft j (at position num_computed + j - 1) with the previous output."""

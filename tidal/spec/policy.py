@@ -1,4 +1,4 @@
-"""SpecPolicy: how many draft tokens each request gets this step (0 = none). Plain numbers only.
+"""SpecPolicy: how many draft tokens each request gets this step (0 = none). Numbers only (no torch, no engine).
 
 Adaptive mode maximises the step's goodput, expected emitted tokens per second of decoding:
 
@@ -46,6 +46,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
+
+import numpy as np
 
 MODES = ("fixed", "adaptive", "schedule")
 
@@ -103,6 +105,7 @@ def draft_worths(alphas: list[float], k: int) -> list[float]:
     return out
 
 
+# Cost functions take numbers or numpy arrays (elementwise), as cost.py's models do.
 VerifyCost = Callable[[int, int, int], float]  # (tokens, seqs, context) -> seconds
 DraftCost = Callable[[int, int, float], float]  # (forwards, draft tokens, catch-up positions) -> seconds
 
@@ -146,7 +149,8 @@ class SpecPolicy:
         if self.mode == "schedule":
             k = scheduled_k(self.schedule, len(requests))
             return [min(k, r.max_k) for r in requests]
-        worths = [draft_worths(acceptance_curve(r.reached, r.accepted, self.prior, self.prior_weight),
+        prior = self.prior
+        worths = [draft_worths(acceptance_curve(r.reached, r.accepted, prior, self.prior_weight),
                                min(self.max_k, r.max_k)) for r in requests]
         charges = [self.catch_up_charge(r, w) for r, w in zip(requests, worths)]
         budget = sum(len(w) for w in worths) if draft_budget is None else max(0, draft_budget)
@@ -187,41 +191,41 @@ class SpecPolicy:
             return 0.0
         return max(0.0, verify_cost(base_tokens, seqs, context) - verify_cost(num_decoding, seqs, context))
 
-    def _rate(self, emitted: float, total: int, longest: int, catch_up: float, base_tokens, seqs, context, prefill,
-              verify_cost, draft_cost) -> float:
+    def _rate(self, emitted, total, longest, catch_up, base_tokens, seqs, context, prefill, verify_cost, draft_cost):
         """Emitted tokens per second of decoding with `total` drafts (the longest chain `longest`),
-        discounted by 1 + min_gain when there are any: the policy's objective."""
+        discounted by 1 + min_gain when there are any: the policy's objective. Numbers, or numpy
+        arrays of candidates (one row per draft count)."""
+        drafting = np.asarray(total) > 0
         seconds = (verify_cost(base_tokens + total, seqs, context + total) - prefill
-                   + (draft_cost(longest, total, catch_up) if total else 0.0))  # K = 0: no drafter call
-        return emitted / max(seconds, 1e-9) / (1 + self.min_gain if total else 1)
+                   + draft_cost(longest, total, catch_up) * drafting)  # K = 0: no drafter call
+        return emitted / np.maximum(seconds, 1e-9) / (1 + self.min_gain * drafting)
 
     def goodput(self, requests, worths, charges, base_tokens, seqs, context, prefill, verify_cost, draft_cost,
                 ks) -> float:
         """The objective for draft lengths `ks`: expected emitted tokens per second of decoding."""
         emitted = len(requests) + sum(sum(w[:k]) for w, k in zip(worths, ks))
         catch_up = sum(c for c, k in zip(charges, ks) if k)
-        return self._rate(emitted, sum(ks), max(ks, default=0), catch_up, base_tokens, seqs, context, prefill,
-                          verify_cost, draft_cost)
+        return float(self._rate(emitted, sum(ks), max(ks, default=0), catch_up, base_tokens, seqs, context, prefill,
+                                verify_cost, draft_cost))
 
     def plan(self, requests, worths, charges, base_tokens, seqs, context, prefill, verify_cost, draft_cost,
              budget) -> list[int]:
         """The goodput-best allocation among prefixes (of at most `budget` drafts) of all drafts
-        sorted by worth."""
-        order = sorted(((w, i) for i, ws in enumerate(worths) for w in ws), key=lambda x: -x[0])[:budget]
-        cost = (base_tokens, seqs, context, prefill, verify_cost, draft_cost)
+        sorted by worth, every prefix priced at once (numpy: at 64 requests, 256 prefixes priced
+        one by one took 2-3 ms a step)."""
         ks = [0] * len(requests)
-        emitted, total, longest, catch_up = float(len(requests)), 0, 0, 0.0
-        best_rate = self._rate(emitted, 0, 0, 0.0, *cost)
-        best_m = 0
-        for m, (w, i) in enumerate(order, 1):
-            if not ks[i]:
-                catch_up += charges[i]
-            ks[i] += 1
-            emitted, total, longest = emitted + w, total + 1, max(longest, ks[i])
-            rate = self._rate(emitted, total, longest, catch_up, *cost)
-            if rate > best_rate:
-                best_rate, best_m = rate, m
-        ks = [0] * len(requests)
-        for _, i in order[:best_m]:
+        flat = [(w, i, j) for i, ws in enumerate(worths) for j, w in enumerate(ws, 1)]
+        if not flat or budget <= 0:
+            return ks
+        w, req, pos = (np.array(x) for x in zip(*flat))
+        order = np.argsort(-w, kind="stable")[:budget]  # stable: a request's drafts stay in chain order
+        w, req, pos = w[order], req[order], pos[order]
+        total = np.arange(len(w) + 1)
+        emitted = len(requests) + np.concatenate([[0.0], np.cumsum(w)])
+        longest = np.concatenate([[0], np.maximum.accumulate(pos)])
+        catch_up = np.concatenate([[0.0], np.cumsum(np.where(pos == 1, np.asarray(charges, dtype=float)[req], 0.0))])
+        rates = self._rate(emitted, total, longest, catch_up, base_tokens, seqs, context, prefill, verify_cost,
+                           draft_cost)
+        for i in req[:int(np.argmax(rates))].tolist():  # argmax: the first best, the fewest drafts
             ks[i] += 1
         return ks
