@@ -29,7 +29,11 @@ has its token and the pending prefill has its share): speculation never delays a
 Exploration: a request's acceptance is only measured while it drafts. If the policy has chosen
 K = 0 everywhere for `probe_every` steps in a row, it gives one draft to the request cheapest to
 catch up, so an estimate made under other load (or an unlucky start) cannot keep speculation off
-for good. That costs one draft-head forward every `probe_every` steps.
+for good. That costs one draft-head forward every `probe_every` steps. The other way round, the
+cost of a plain step is only measured while no one drafts: after `probe_every` steps in a row
+with drafts, one step has none. Without it the cost model's plain step went stale while the
+policy drafted (the window held only drafting steps; plain steps were read off the start-up
+profile's shape) and at 128 requests it kept drafting where that lost 16% (benchmarks/adaptive.py).
 
 Risk: a step with drafts must promise `min_gain` (10%) more goodput than the same step without
 any, or no request drafts. The cost model is an estimate (median error 8% on the bundled model's
@@ -128,6 +132,7 @@ class SpecPolicy:
         self._accepted = [initial_acceptance] * max_k
         self.probe_every = probe_every
         self._idle = 0  # adaptive steps in a row with no drafts anywhere
+        self._busy = 0  # ... and with drafts
 
     @property
     def prior(self) -> list[float]:
@@ -172,11 +177,15 @@ class SpecPolicy:
         return r.catch_up / max(1.0, steps_left)
 
     def _probe(self, ks: list[int], requests: list[RequestView], charges: list[float], budget: int) -> list[int]:
-        """One draft for one request after `probe_every` steps without any (see the module docstring)."""
+        """One draft for one request after `probe_every` steps without any, and a step without
+        drafts after `probe_every` with them (see the module docstring)."""
         if any(ks):
-            self._idle = 0
+            self._idle, self._busy = 0, self._busy + 1
+            if self._busy > self.probe_every:
+                self._busy = 0
+                return [0] * len(ks)
             return ks
-        self._idle += 1
+        self._idle, self._busy = self._idle + 1, 0
         able = [i for i, r in enumerate(requests) if min(r.max_k, self.max_k) > 0]
         if self._idle >= self.probe_every and able and budget > 0:
             ks = list(ks)
