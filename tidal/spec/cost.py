@@ -28,6 +28,7 @@ came out negative, and a step of 128 sequences was predicted at 26 ms; it took 5
 from __future__ import annotations
 
 import bisect
+
 import numpy as np
 
 DEFAULT_KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -51,8 +52,8 @@ class _LeastSquares:
     def __init__(self, num_features: int, window: int, penalty: np.ndarray, nonneg: tuple[int, ...] = ()):
         self.nonneg = nonneg  # coefficients that may not be negative (a cost never falls as it grows)
         self.anchors: list[tuple[np.ndarray, float]] = []
-        # the window as a ring of rows, so that a refit (every step) builds no arrays: at 64
-        # requests building them from a deque of 256 samples took most of the refit's 1.2 ms
+        # the window as a ring of rows and the anchors' own solve kept, so that a refit (every
+        # step) builds no arrays: 256 samples + 75 anchors refit in 0.33 ms, 0.65 ms from a deque
         self._X, self._y = np.zeros((window, num_features)), np.zeros(window)
         self._added = 0
         self._anchor_fit = None  # (X, y, coefficients) of the anchors alone, until one is added

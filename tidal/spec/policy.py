@@ -31,9 +31,10 @@ K = 0 everywhere for `probe_every` steps in a row, it gives one draft to the req
 catch up, so an estimate made under other load (or an unlucky start) cannot keep speculation off
 for good. That costs one draft-head forward every `probe_every` steps. The other way round, the
 cost of a plain step is only measured while no one drafts: after `probe_every` steps in a row
-with drafts, one step has none. Without it the cost model's plain step went stale while the
-policy drafted (the window held only drafting steps; plain steps were read off the start-up
-profile's shape) and at 128 requests it kept drafting where that lost 16% (benchmarks/adaptive.py).
+with drafts, one step has none. Without it, once the policy drafts, the cost model's window holds
+only drafting steps and the plain step's cost is read off the start-up profile's shape: a
+plausible cause of a run that kept drafting at 128 requests (mean K 0.92) and lost 16% to plain
+decoding (benchmarks/adaptive.py, before this change).
 
 Risk: a step with drafts must promise `min_gain` (10%) more goodput than the same step without
 any, or no request drafts. The cost model is an estimate (median error 8% on the bundled model's
