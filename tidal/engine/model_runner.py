@@ -66,11 +66,12 @@ class ModelRunner:
         return AttentionGroup(token_index=t(token_index), kv_slots=t(kv_slots), mask=t(mask[:, None]),
                               out_index=t(token_index[valid]), valid=t(valid.reshape(-1)))
 
-    def slots(self, spans: list[tuple[Sequence, int, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """Positions and cache slots of feeding each seq `n` tokens from position `start`, the
-        sequences laid out one after another."""
-        return (np.concatenate([np.arange(start, start + n) for _, start, n in spans]),
-                np.concatenate([self._slots(seq, start, start + n) for seq, start, n in spans]))
+    def slots(self, spans: list[tuple[Sequence, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions and cache slots (on the device) of feeding each seq `n` tokens from position
+        `start`, the sequences laid out one after another."""
+        t = lambda parts: torch.from_numpy(np.concatenate(parts)).to(self.device)  # noqa: E731
+        return (t([np.arange(start, start + n) for _, start, n in spans]),
+                t([self._slots(seq, start, start + n) for seq, start, n in spans]))
 
     def metadata(self, spans: list[tuple[Sequence, int, int]]) -> tuple[torch.Tensor, AttentionMetadata]:
         """Positions and attention metadata for feeding each seq `n` tokens from position
@@ -87,8 +88,7 @@ class ModelRunner:
             offset += n
         if short:
             groups.insert(0, self._group(short))
-        t = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
-        return t(positions), AttentionMetadata(slot_mapping=t(slots), groups=groups)
+        return positions, AttentionMetadata(slot_mapping=slots, groups=groups)
 
     def prepare(self, scheduled: list[ScheduledSeq]):
         ids = []

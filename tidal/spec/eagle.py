@@ -79,7 +79,7 @@ class Eagle3Drafter:
         ids, features = torch.tensor(ids, device=device), self.head.fuse(torch.cat(feats))
         rest = torch.tensor(rest, device=device)
         if spans:
-            positions, slots = (torch.from_numpy(a).to(device) for a in self.runner.slots(spans))
+            positions, slots = self.runner.slots(spans)
             self.head.write_kv(ids[rest], features[rest], positions, self.kv, slots)
         positions, meta = self.runner.metadata(last)
         return self.head(ids[~rest], features[~rest], positions, self.kv, meta)
