@@ -6,10 +6,11 @@
 
 At each concurrency C, every mode serves the same requests (shipped chat prompts, or the
 repetition-heavy rewrite prompts where an n-gram drafter has something to copy; greedy,
-exactly `output-len` tokens each) with C of them in flight at all times (closed loop), until
-`max(C, min-requests)` are done. All modes' engines are loaded at once and run interleaved, one
-engine step each in turn; a mode's tok/s is its output tokens over the time spent inside its own
-steps (drafting and policy included). So a slow spell of this noisy machine slows every mode
+`output-len` tokens each) with C of them in flight at all times (closed loop). A first round of C
+requests with staggered lengths brings each engine to a steady state (see ClosedLoop); then
+`max(C, min-requests)` requests are measured. All modes' engines are loaded at once and run
+interleaved, one engine step each in turn; a mode's tok/s is its output tokens over the time
+spent inside its own steps (drafting and policy included). So a slow spell of this noisy machine slows every mode
 alike instead of whichever ran then (run one after another, two modes doing the very same work
 differed by 1.4x). Prints output tok/s per mode and each mode's ratio to the best of the others,
 the adaptive policy's mean chosen K and acceptance, and the crossover.
@@ -40,38 +41,71 @@ def spec_for(mode: str, method: str) -> SpecConfig:
 
 
 class ClosedLoop:
-    """Keeps `concurrency` requests in flight on one engine until `num_requests` finish, one
-    engine step per `step()` call; `seconds` counts only the time spent inside this engine."""
+    """Keeps `concurrency` requests in flight on one engine, one engine step per `step()` call,
+    and measures its steady state. The first `concurrency` requests get staggered lengths
+    (output_len * i / C for i = 1..C), so requests end one at a time as in a server that has been
+    running a while, not all in the same step: started together at one length, plain decoding
+    finishes a whole batch in one step while speculation, whose requests advance unevenly, ends
+    with a tail at ever lower concurrency. That tail, not drafting at C=64, was what cost n-gram
+    adaptive 6% at 64 requests of one wave (rewrite prompts: 265 vs 248 tok/s at the full
+    batch, 204 at 16-31 requests). The window opens once `concurrency` requests have finished and
+    closes when `num_requests` more have; every request then running is aborted. Counted: the
+    output tokens emitted in the window (a running request's too) over the time spent inside this
+    engine's steps in it."""
 
     def __init__(self, llm: LLM, prompts: list[list[int]], concurrency: int, num_requests: int, output_len: int):
         self.eng, self.prompts, self.concurrency, self.num_requests = llm.engine, prompts, concurrency, num_requests
-        self.params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-        self.hist0 = dict(self.eng.k_histogram)
+        self.output_len = output_len
         self.started = self.done = self.tokens = self.drafted = self.accepted = 0
         self.seconds = 0.0
-        self.live = {}
+        self.live: dict[str, int] = {}  # request id -> output tokens seen so far
+        self.hist0: dict[int, int] | None = None  # the chosen-K histogram when the window opened
+
+    @property
+    def measuring(self) -> bool:
+        return self.hist0 is not None
 
     @property
     def finished(self) -> bool:
-        return self.done >= self.num_requests
+        return self.done >= self.concurrency + self.num_requests
+
+    def _admit(self) -> None:
+        while len(self.live) < self.concurrency:
+            i = self.started
+            n = self.output_len if i >= self.concurrency else max(1, self.output_len * (i + 1) // self.concurrency)
+            params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+            self.eng.add_request(f"r{i}", self.prompts[i % len(self.prompts)], params)
+            self.live[f"r{i}"] = 0
+            self.started += 1
 
     def step(self) -> None:
         t0 = time.perf_counter()
-        while len(self.live) < self.concurrency and self.started < self.num_requests:
-            rid = f"r{self.started}"
-            self.live[rid] = self.eng.add_request(rid, self.prompts[self.started % len(self.prompts)], self.params)
-            self.started += 1
-        for out in self.eng.step():
+        self._admit()
+        before = self.eng.last_step_stats
+        outputs = self.eng.step()
+        stats = self.eng.last_step_stats
+        emitted = 0
+        for out in outputs:
+            emitted += len(out.token_ids) - self.live[out.request_id]
+            self.live[out.request_id] = len(out.token_ids)
             if out.finished:
-                seq = self.live.pop(out.request_id)
+                del self.live[out.request_id]
                 self.done += 1
-                self.tokens += len(seq.output_token_ids)
-                self.drafted += seq.spec.num_drafted
-                self.accepted += seq.spec.num_accepted
-        self.seconds += time.perf_counter() - t0
+        if self.measuring:
+            self.seconds += time.perf_counter() - t0
+            self.tokens += emitted
+            if stats is not before:
+                self.drafted += stats.spec.num_drafted
+                self.accepted += stats.spec.num_accepted
+        elif self.done >= self.concurrency:
+            self.hist0 = dict(self.eng.k_histogram)
+        if self.finished:
+            for rid in self.live:
+                self.eng.abort(rid)
+            self.live.clear()
 
     def result(self):
-        """(seconds, output tokens, drafted, accepted, chosen-K histogram delta)."""
+        """(seconds, output tokens, drafted, accepted, chosen-K histogram), all in the window."""
         hist = {k: v - self.hist0.get(k, 0) for k, v in self.eng.k_histogram.items()}
         return self.seconds, self.tokens, self.drafted, self.accepted, hist
 

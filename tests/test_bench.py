@@ -95,6 +95,24 @@ def test_measured_timings_match_the_fake_schedule(fake):
         assert r.mean_chosen_k == pytest.approx(1.6)
 
 
+def test_repeats_alternate_the_targets_and_pool_their_rounds(fake):
+    out, c = 4, 2
+    e2e = TTFT + (out - 1) * ITL
+    order: list[str] = []
+    records: list[BenchRecord] = []
+    targets = [Target("a", f"{fake}/ok"), Target("b", f"{fake}/ok")]
+    cfg = SweepConfig(concurrency=[c], num_prompts=2, output_len=out, warmup=0, repeats=3)
+    asyncio.run(sweep(targets, PROMPTS, cfg, records, on_request=order.append))
+    runs = [label for i, label in enumerate(order) if i % 2 == 0]  # two requests per run
+    assert runs == ["a C=2", "b C=2", "b C=2", "a C=2", "a C=2", "b C=2"]  # turns rotate per round
+    assert sorted(r.target for r in records) == ["a", "b"]
+    for r in records:
+        assert r.num_requests == r.completed == 6 and r.output_tokens == 6 * out
+        assert _close(r.duration_s, 3 * e2e, 0.1), r.duration_s  # the rounds' own time, not the gaps
+        assert _close(r.output_tok_s, out * c / e2e, 0.1)
+        assert r.acceptance_length == pytest.approx(2.5)  # the counters' deltas summed over rounds
+
+
 def test_open_loop_follows_the_poisson_schedule(fake):
     rate, n, out = 10.0, 6, 4
     (r,) = _run([Target("ok", f"{fake}/ok")], concurrency=[n], num_prompts=n, output_len=out, warmup=0,

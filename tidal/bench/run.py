@@ -146,7 +146,7 @@ def _sweep_config(args) -> SweepConfig:
         concurrency=parse_levels(args.concurrency), output_len=args.output_len,
         endpoint=args.endpoint or ("completions" if args.dataset == "random" else "chat"),
         num_prompts=args.num_prompts, request_rate=args.request_rate, temperature=args.temperature,
-        timeout_s=args.timeout, warmup=args.warmup, seed=args.seed,
+        timeout_s=args.timeout, warmup=args.warmup, repeats=args.repeats, seed=args.seed,
         api_key=args.api_key or os.environ.get("TIDAL_API_KEY") or None)
 
 
@@ -155,7 +155,8 @@ def _config_record(args, cfg: SweepConfig) -> dict:
     return {"concurrency": cfg.concurrency, "num_prompts": args.num_prompts, "output_len": cfg.output_len,
             "request_rate": cfg.request_rate, "dataset": args.dataset, "dataset_path": args.dataset_path,
             "input_len": args.input_len if args.dataset == "random" else None, "endpoint": cfg.endpoint,
-            "temperature": cfg.temperature, "warmup": cfg.warmup, "seed": cfg.seed, "launch": args.launch,
+            "temperature": cfg.temperature, "warmup": cfg.warmup, "repeats": cfg.repeats, "seed": cfg.seed,
+            "launch": args.launch,
             "launch_args": args.launch_args}
 
 
@@ -166,6 +167,7 @@ def _path(prefix: Path, ext: str) -> Path:
 def _check_numbers(args) -> None:
     for flag, value, low in (("--output-len", args.output_len, 1), ("--num-prompts", args.num_prompts, 1),
                              ("--launch-threads", args.launch_threads, 1), ("--warmup", args.warmup, 0),
+                             ("--repeats", args.repeats, 1),
                              ("--input-len", args.input_len, 1)):
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
@@ -178,7 +180,7 @@ def _check_numbers(args) -> None:
 def _run_sweep(targets, prompts, cfg, records, prefix: Path, meta: dict, no_progress: bool) -> None:
     from tqdm import tqdm
 
-    total = len(targets) * sum(cfg.num_requests(c) for c in cfg.concurrency)
+    total = len(targets) * cfg.repeats * sum(cfg.num_requests(c) for c in cfg.concurrency)
     with tqdm(total=total, unit="req", disable=True if no_progress else None, file=sys.stderr) as bar:
         shown = [""]
 

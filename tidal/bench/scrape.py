@@ -24,6 +24,9 @@ class SpecCounters:
     def __sub__(self, other: "SpecCounters") -> "SpecCounters":
         return SpecCounters(*(a - b for a, b in zip(self._values(), other._values())))
 
+    def __add__(self, other: "SpecCounters") -> "SpecCounters":
+        return SpecCounters(*(a + b for a, b in zip(self._values(), other._values())))
+
     def _values(self) -> tuple[float, ...]:
         return self.drafts, self.draft_tokens, self.accepted_tokens, self.k_steps, self.k_sum
 

@@ -1,6 +1,10 @@
-"""The sweep: for each load level, every target in turn (order rotated per level), each run
-closed loop (exactly C requests in flight) or open loop (Poisson arrivals, at most C in
-flight), with the server's speculative-decoding counters read before and after."""
+"""The sweep: for each load level, every target in turn (order rotated per level and per
+repeat), each run closed loop (exactly C requests in flight) or open loop (Poisson arrivals, at
+most C in flight), with the server's speculative-decoding counters read before and after. With
+`repeats` > 1 each level is run that many rounds, the targets taking turns, and a target's
+record pools its rounds: on a machine whose speed drifts over minutes, targets measured one after
+another differ by the drift (22-35% between two identical tidal servers on a 2-core VM), and
+alternating spreads each target over the same stretches of time."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import numpy as np
 
 from tidal.bench.client import RequestResult, build_payload, stream_request
 from tidal.bench.records import BenchRecord, latency_summary
-from tidal.bench.scrape import scrape_spec_counters
+from tidal.bench.scrape import SpecCounters, scrape_spec_counters
 
 
 @dataclass
@@ -39,6 +43,7 @@ class SweepConfig:
     temperature: float = 0.0
     timeout_s: float = 600.0
     warmup: int = 2  # unmeasured requests per target before the first level
+    repeats: int = 1  # rounds per level, the targets taking turns; a record pools its target's rounds
     seed: int = 0
     api_key: str | None = None
 
@@ -47,10 +52,19 @@ class SweepConfig:
         return max(self.num_prompts, concurrency) if self.num_prompts else max(8, 2 * concurrency)
 
 
-def rotated(targets: list[Target], level_index: int) -> list[Target]:
-    """The order targets run in at a level: shifted by one each level, so drift in the
+@dataclass
+class Run:
+    """One target's requests at one level, once: results, wall time, spec-counter delta."""
+
+    results: list[RequestResult]
+    duration_s: float
+    spec: SpecCounters | None
+
+
+def rotated(targets: list[Target], turn: int) -> list[Target]:
+    """The order targets run in: shifted by one each level and each repeat, so drift in the
     machine's speed does not always favour the same target."""
-    k = level_index % len(targets)
+    k = turn % len(targets)
     return targets[k:] + targets[:k]
 
 
@@ -68,10 +82,14 @@ async def sweep(targets: list[Target], prompts: list[str], cfg: SweepConfig, rec
             t.model = t.model or await discover_model(client, t.url)
             await warm_up(client, t, prompts, cfg)
         for li, c in enumerate(cfg.concurrency):
-            for t in rotated(targets, li):
-                record = await run_level(client, t, prompts, cfg, c, on_request)
-                records.append(record)
-                on_record(record)
+            runs: dict[str, list[Run]] = {t.name: [] for t in targets}
+            for rep in range(cfg.repeats):
+                for t in rotated(targets, li + rep):
+                    runs[t.name].append(await run_level(client, t, prompts, cfg, c, on_request))
+                    if rep == cfg.repeats - 1:  # the target's last round: its record is complete
+                        record = summarize(t.name, c, cfg.request_rate, runs[t.name])
+                        records.append(record)
+                        on_record(record)
 
 
 async def discover_model(client: httpx.AsyncClient, url: str) -> str | None:
@@ -93,8 +111,8 @@ async def warm_up(client: httpx.AsyncClient, target: Target, prompts: list[str],
 
 
 async def run_level(client: httpx.AsyncClient, target: Target, prompts: list[str], cfg: SweepConfig,
-                    concurrency: int, on_request: Callable[[str], None] = lambda _: None) -> BenchRecord:
-    """One target at one level: its requests, timings and spec-counter delta, as a record."""
+                    concurrency: int, on_request: Callable[[str], None] = lambda _: None) -> Run:
+    """One target at one level, once: its requests, timings and spec-counter delta."""
     n = cfg.num_requests(concurrency)
     payloads = [build_payload(cfg.endpoint, prompts[i % len(prompts)], cfg.output_len, target.model,
                               cfg.temperature) for i in range(n)]
@@ -114,7 +132,7 @@ async def run_level(client: httpx.AsyncClient, target: Target, prompts: list[str
     end = max(r.done for r in results)
     after = await scrape_spec_counters(client, target.url)
     spec = after - before if before is not None and after is not None else None
-    return summarize(target.name, concurrency, cfg.request_rate, results, end - start, spec)
+    return Run(results, end - start, spec)
 
 
 async def closed_loop(send, payloads: list[dict], concurrency: int) -> list[RequestResult]:
@@ -151,10 +169,13 @@ async def open_loop(send, payloads: list[dict], concurrency: int, rate: float, s
             t.cancel()
 
 
-def summarize(name: str, concurrency: int, rate: float | None, results: list[RequestResult],
-              duration_s: float, spec=None) -> BenchRecord:
-    """The record of one run: rates over `duration_s`, latencies of the requests that
-    succeeded, errors with the first message, and the spec counters' delta if any."""
+def summarize(name: str, concurrency: int, rate: float | None, runs: list[Run]) -> BenchRecord:
+    """The record of a target's runs at one level, pooled: rates over their summed wall time,
+    latencies of the requests that succeeded, errors with the first message, and the spec
+    counters' summed delta if every run has one."""
+    results = [r for run in runs for r in run.results]
+    duration_s = sum(run.duration_s for run in runs)
+    spec = None if any(run.spec is None for run in runs) else sum((run.spec for run in runs), SpecCounters())
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     tokens = sum(r.output_tokens for r in ok)
