@@ -53,3 +53,18 @@ def test_bad_speculation_config_is_rejected():
                 dict(mode="schedule", schedule="4-1:2")):
         with pytest.raises(ValueError):
             SpecConfig(method="ngram", **bad)
+
+
+def test_ngram_choices_never_exceed_the_drafts_that_exist(tiny_model_dir):
+    """The policy prices only the drafts the n-gram drafter can make: each request's chosen K
+    is what it then drafts (the drafter's match may be shorter than K, or absent)."""
+    eng = engine(tiny_model_dir, mode="fixed")
+    seqs = [eng.add_request(str(i), p, REPEAT) for i, p in enumerate(repetitive_prompts(4))]
+    seen = set()
+    while eng.has_unfinished():
+        eng.step()
+        for s in seqs:
+            if not s.is_finished and s.spec.chosen_k is not None:
+                assert len(s.draft_token_ids) == s.spec.chosen_k
+                seen.add(s.spec.chosen_k)
+    assert 4 in seen and len(seen) > 1  # full drafts, and fewer where the match ran short

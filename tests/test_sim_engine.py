@@ -97,6 +97,9 @@ class KnowingDrafter:
                            for i in range(n, n + k)])
         return drafts, None
 
+    def available(self, seqs, max_k):
+        return [max_k] * len(seqs)
+
     def catch_up(self, seq):
         return seq.num_computed_tokens - seq.draft_num_computed
 

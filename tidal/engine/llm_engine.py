@@ -249,7 +249,8 @@ class LLMEngine:
         """The policy's draft lengths, given the step the scheduler is about to build: the
         decoding requests' one token each plus the prefill it will feed next."""
         load = self.scheduler.spec_load(seqs)
-        views = [s.spec_view(self.policy.max_k, self.drafter.catch_up(s)) for s in seqs]
+        caps = self.drafter.available(seqs, self.policy.max_k)
+        views = [s.spec_view(cap, self.drafter.catch_up(s)) for s, cap in zip(seqs, caps)]
         ks = self.policy.choose(views, load.tokens, load.seqs, load.context, self.step_cost.predict,
                                 self.draft_cost.predict, load.draft_budget)
         self._predicted = self.step_cost.predict(load.tokens + sum(ks), load.seqs, load.context + sum(ks))

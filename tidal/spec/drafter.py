@@ -18,6 +18,13 @@ class Drafter(Protocol):
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> tuple[list[list[int]], list | None]:
         ...
 
+    def available(self, seqs: list[Sequence], max_k: int) -> list[int]:
+        """The most drafts `propose` would return for each sequence now (<= max_k), where the
+        drafter knows without running a model (n-gram: its match's continuation); else max_k.
+        The policy never chooses more: a draft the drafter cannot make adds no verify tokens
+        and no chance of a token, so pricing it would be pricing nothing."""
+        ...
+
     def catch_up(self, seq: Sequence) -> int:
         """Positions the drafter must process before it can draft for `seq` (EAGLE-3 after a
         pause in speculation); the policy charges them to the step."""

@@ -34,6 +34,9 @@ class Eagle3Drafter:
         """Features of the target's verified tokens this step, in position order."""
         seq.draft_features.append(features)
 
+    def available(self, seqs: list[Sequence], max_k: int) -> list[int]:
+        return [max_k] * len(seqs)  # the head always drafts; what it gets right is only known after
+
     def catch_up(self, seq: Sequence) -> int:
         """Verified positions whose features wait for the head (all of them after a pause)."""
         return seq.num_computed_tokens - seq.draft_num_computed
