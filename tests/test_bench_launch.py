@@ -24,7 +24,8 @@ def test_launch_measures_then_stops_the_servers(tiny_model_dir, tmp_path, capsys
     off = [r for r in records if r.target == "off"]
     fixed = [r for r in records if r.target == "fixed:2"]
     assert all(r.mean_chosen_k is None for r in off)
-    assert all(r.mean_chosen_k is not None and 0 < r.mean_chosen_k <= 2 for r in fixed)
+    # exported; 0 where the n-gram lookup finds nothing in the tiny model's text to draft from
+    assert all(r.mean_chosen_k is not None and 0 <= r.mean_chosen_k <= 2 for r in fixed)
     assert "| 1 | fixed:2 | 2/2 |" in capsys.readouterr().out
     for url in meta["targets"].values():  # stopped on the way out
         with pytest.raises(httpx.TransportError):
