@@ -116,6 +116,14 @@ def test_closed_loop_keeps_concurrency_and_is_reproducible():
     assert [t.chunks for t in a.traces] != [t.chunks for t in c.traces]
 
 
+def test_a_level_never_has_fewer_requests_than_its_concurrency():
+    from tidal.sim.sweep import SweepConfig
+
+    cfg = SweepConfig((1, 16), num_prompts=8)  # as tidal bench: 8 requests per level, 16 at C=16
+    assert [cfg.workload(c).num_prompts for c in (1, 16)] == [8, 16]
+    assert SweepConfig((2,)).workload(2).num_prompts == 8
+
+
 def test_schedule_mode_follows_the_batch_size():
     run = _sim(Flat(), 'schedule:"1-2:3,3-:0"', concurrency=4, prompts=4)
     assert set(run.chosen_k) == {0}

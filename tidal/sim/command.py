@@ -45,7 +45,7 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
                    "one constant, or a saved /metrics page of tidal or vLLM to read it from")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-prompts", type=int, default=None, help="requests per level (default: 4 x concurrency, at least 8)")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per level, at least C (default: 4 x concurrency, at least 8)")
     p.add_argument("--concurrency", default="1,2,4,...,256", help="levels, e.g. 1,2,4,...,250")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)

@@ -19,7 +19,7 @@ class SweepConfig:
     concurrency: tuple[int, ...]
     input_len: int = 1024
     output_len: int = 128
-    num_prompts: int | None = None  # per level; None: 4 x concurrency, at least 8
+    num_prompts: int | None = None  # per level, at least C as in tidal bench; None: 4 x concurrency, at least 8
     acceptance: AcceptanceModel = AcceptanceModel((0.7,))
     scheduler: SchedulerConfig = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192)
     num_blocks: int | None = None  # None: enough for every request in flight
@@ -27,7 +27,8 @@ class SweepConfig:
     seed: int = 0
 
     def workload(self, concurrency: int) -> Workload:
-        n = self.num_prompts or max(8, 4 * concurrency)
+        # never fewer than C, as `tidal bench` does: 8 requests "at 16" would be a level of 8
+        n = max(self.num_prompts, concurrency) if self.num_prompts else max(8, 4 * concurrency)
         return Workload(concurrency, n, self.input_len, self.output_len)
 
     def blocks(self, concurrency: int, max_k: int) -> int:
