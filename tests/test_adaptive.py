@@ -39,12 +39,15 @@ def test_adaptive_is_lossless_and_reports_its_choices(tiny_model_dir):
 def test_policy_zero_skips_the_drafter(tiny_model_dir, monkeypatch):
     """A step where the policy gives every request 0 drafts makes no drafter call at all."""
     eng = engine(tiny_model_dir, mode="schedule", schedule="1-2:3,3-:0")
-    calls = []
-    real = eng.drafter.propose
+    calls, looked_up = [], []
+    real, real_available = eng.drafter.propose, eng.drafter.available
     monkeypatch.setattr(eng.drafter, "propose", lambda seqs, ks: calls.append(ks) or real(seqs, ks))
+    monkeypatch.setattr(eng.drafter, "available",
+                        lambda seqs, k: looked_up.append(len(seqs)) or real_available(seqs, k))
     lengths = [SamplingParams(max_tokens=6 + 6 * i, temperature=0, ignore_eos=True) for i in range(6)]
     run(eng, repetitive_prompts(6), lengths)  # 6 decoding at once: K = 0 until only 1-2 remain
     assert calls and all(len(ks) <= 2 for ks in calls)
+    assert looked_up and all(n <= 2 for n in looked_up)  # no n-gram lookup in the K = 0 steps either
     assert eng.k_histogram[0] > 0 and eng.k_histogram.get(3, 0) > 0
 
 

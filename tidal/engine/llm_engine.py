@@ -249,7 +249,8 @@ class LLMEngine:
         """The policy's draft lengths, given the step the scheduler is about to build: the
         decoding requests' one token each plus the prefill it will feed next."""
         load = self.scheduler.spec_load(seqs)
-        caps = self.drafter.available(seqs, self.policy.max_k)
+        most = self.policy.most(len(seqs))  # 0 (a schedule's): no lookup, K = 0 costs the drafter nothing
+        caps = self.drafter.available(seqs, most) if most else [0] * len(seqs)
         views = [s.spec_view(cap, self.drafter.catch_up(s)) for s, cap in zip(seqs, caps)]
         ks = self.policy.choose(views, load.tokens, load.seqs, load.context, self.step_cost.predict,
                                 self.draft_cost.predict, load.draft_budget)

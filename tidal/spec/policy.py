@@ -145,6 +145,11 @@ class SpecPolicy:
             self._reached[l] = self.decay * self._reached[l] + 1
             self._accepted[l] = self.decay * self._accepted[l] + (l < num_accepted)
 
+    def most(self, num_requests: int) -> int:
+        """The most drafts any of `num_requests` decoding requests can get this step, known
+        before looking at them (0: the drafter need not be asked anything)."""
+        return scheduled_k(self.schedule, num_requests) if self.mode == "schedule" else self.max_k
+
     def choose(self, requests: list[RequestView], base_tokens: int, seqs: int, context: int,
                verify_cost: VerifyCost, draft_cost: DraftCost, draft_budget: int | None = None) -> list[int]:
         """Draft lengths for `requests` (the decoding ones) in a step that also feeds
@@ -153,7 +158,7 @@ class SpecPolicy:
         if self.mode == "fixed":
             return [min(self.max_k, r.max_k) for r in requests]
         if self.mode == "schedule":
-            k = scheduled_k(self.schedule, len(requests))
+            k = self.most(len(requests))
             return [min(k, r.max_k) for r in requests]
         prior = self.prior
         worths = [draft_worths(acceptance_curve(r.reached, r.accepted, prior, self.prior_weight),
