@@ -10,9 +10,9 @@ repetition-heavy rewrite prompts where an n-gram drafter has something to copy; 
 requests with staggered lengths brings each engine to a steady state (see ClosedLoop); then
 `max(C, min-requests)` requests are measured. All modes' engines are loaded at once and run
 interleaved, one engine step each in turn; a mode's tok/s is its output tokens over the time
-spent inside its own steps (drafting and policy included). So a slow spell of this noisy machine slows every mode
-alike instead of whichever ran then (run one after another, two modes doing the very same work
-differed by 1.4x). Prints output tok/s per mode and each mode's ratio to the best of the others,
+spent inside its own steps (drafting and policy included). So a slow spell of this noisy machine
+slows every mode alike instead of whichever ran then (run one after another, two modes doing the
+very same work differed by 1.4x). Prints output tok/s per mode and each mode's ratio to the best of the others,
 the adaptive policy's mean chosen K and acceptance, and the crossover.
 """
 
@@ -49,10 +49,10 @@ class ClosedLoop:
     with a tail at ever lower concurrency. Measured with one such wave of 64 rewrite requests
     (n-gram, throwaway per-step timing): adaptive lost 4% to plain decoding overall while its
     steps at the full batch emitted 7% more tokens per second than plain decoding's (265 vs 248)
-    and its steps at 32-63 requests 204. The window opens once `concurrency` requests have finished and
-    closes when `num_requests` more have; every request then running is aborted. Counted: the
-    output tokens emitted in the window (a running request's too) over the time spent inside this
-    engine's steps in it."""
+    and its steps at 32-63 requests 204. The window opens once `concurrency` requests have
+    finished and closes when `num_requests` more have; every request then running is aborted.
+    Counted: the output tokens emitted in the window (a running request's too) over the time
+    spent inside this engine's steps in it."""
 
     def __init__(self, llm: LLM, prompts: list[list[int]], concurrency: int, num_requests: int, output_len: int):
         self.eng, self.prompts, self.concurrency, self.num_requests = llm.engine, prompts, concurrency, num_requests
