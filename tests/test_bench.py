@@ -153,7 +153,9 @@ def test_ctrl_c_writes_what_was_measured(fake, tmp_path, sig):
     cmd = [sys.executable, "-m", "tidal.cli", "bench", "--target", f"ok={fake}/ok", "--concurrency", "2,1",
            "--num-prompts", "4", "--output-len", "4", "--warmup", "0", "--output", str(prefix),
            "--journal", str(journal), "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a SIGINT ignored by whatever started pytest (a shell's background job) would be inherited, and kept
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     json_path = prefix.with_suffix(".json")
     deadline = time.monotonic() + 60
     while not (json_path.exists() and json_path.stat().st_size and json.loads(json_path.read_text())["records"]):

@@ -198,7 +198,36 @@ def _run_sweep(targets, prompts, cfg, records, prefix: Path, meta: dict, no_prog
             report.write_json(_path(prefix, ".json"), records, {**meta, "complete": False})
             report.write_csv(_path(prefix, ".csv"), records)
 
-        asyncio.run(sweep(targets, prompts, cfg, records, on_request, on_record))
+        if asyncio.run(_stoppable(sweep(targets, prompts, cfg, records, on_request, on_record))):
+            raise KeyboardInterrupt
+
+
+async def _stoppable(coro) -> bool:
+    """Run `coro`; True if SIGINT or SIGTERM cancelled it. The signal is handled inside the event
+    loop, which cancels the sweep between two of its steps, so open connections close cleanly. A
+    handler raising KeyboardInterrupt wherever the signal lands (what this replaced, for SIGTERM)
+    could land inside httpx's connection pool: 1 of 14 SIGTERMs left asyncio's clean-up waiting
+    for ever. A SIGINT this process was started ignoring (a shell's background job) stays ignored."""
+    loop, task, stopped = asyncio.get_running_loop(), asyncio.current_task(), []
+    signals = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]
+    before = {s: signal.getsignal(s) for s in signals}
+
+    def stop() -> None:
+        stopped.append(True)
+        task.cancel()
+
+    for s in signals:
+        loop.add_signal_handler(s, stop)
+    try:
+        await coro
+    except asyncio.CancelledError:
+        if not stopped:
+            raise
+    finally:
+        for s in signals:
+            loop.remove_signal_handler(s)
+            signal.signal(s, before[s])  # remove_signal_handler leaves the default, not what was there
+    return bool(stopped)
 
 
 def _write_outputs(records: list[BenchRecord], order: list[str], prefix: Path, meta: dict,
