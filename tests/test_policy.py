@@ -186,6 +186,18 @@ def test_step_cost_model_fits_a_piecewise_cost_and_extrapolates():
     assert model.predict(200, 8, 800) == pytest.approx(true(200, 8, 800), rel=0.1)  # past the last knot
 
 
+def test_cost_model_refits_every_few_samples_once_its_window_is_full():
+    model = StepCostModel(window=16)
+    for _ in range(16):  # while the window fills, every sample counts at once
+        model.observe(8, 1, 8, 0.010)
+        assert model.predict(8, 1, 8) == pytest.approx(0.010, rel=1e-3)
+    for _ in range(7):
+        model.observe(8, 1, 8, 0.020)
+    assert model.predict(8, 1, 8) == pytest.approx(0.010, rel=1e-3)  # a refit costs more than 7 samples move it
+    model.observe(8, 1, 8, 0.020)  # the 8th: refitted on 8 samples at 10 ms and 8 at 20 ms
+    assert model.predict(8, 1, 8) == pytest.approx(0.012, rel=1e-3)  # least squares of the relative error
+
+
 def test_step_cost_never_falls_as_sequences_or_context_grow():
     """Fitted on decode steps of up to 64 sequences whose times happen to fall with sequences
     and context, the model holds those terms at 0 rather than extrapolate a cheaper step."""
