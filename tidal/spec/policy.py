@@ -170,7 +170,8 @@ class SpecPolicy:
         ks = self.plan(*args, budget)
         if any(r.prev_k is not None for r in requests):
             stay = [min(r.max_k, self.max_k, ks[i] if r.prev_k is None else r.prev_k) for i, r in enumerate(requests)]
-            if stay != ks and sum(stay) <= budget and self.goodput(*args, ks) <= (1 + self.margin) * self.goodput(*args, stay):
+            if (stay != ks and sum(stay) <= budget
+                    and self.goodput(*args, ks) <= (1 + self.margin) * self.goodput(*args, stay)):
                 ks = stay
         return self._probe(ks, requests, charges, budget)
 
