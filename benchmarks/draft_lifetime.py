@@ -2,7 +2,7 @@
 
     python benchmarks/draft_lifetime.py [--method ngram] [--workload rewrite] [--ks 1,2,3,4]
 
-Each request runs alone (greedy, `--output-len` tokens, so the text is the same for every K) with
+Each request runs alone (greedy, `--output-len` tokens: the same text at every K, up to bf16 ties) with
 speculation fixed at each K; counted, not timed: decode steps, drafts and accepted drafts over
 the request's life, and per draft position the share of drafts accepted. The policy values the
 K-th draft of a step at its acceptance (the tokens it adds to this step); over a life, going from

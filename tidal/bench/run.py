@@ -207,12 +207,15 @@ async def _stoppable(coro) -> bool:
     loop, which cancels the sweep between two of its steps, so open connections close cleanly. A
     handler raising KeyboardInterrupt wherever the signal lands (what this replaced, for SIGTERM)
     could land inside httpx's connection pool: 1 of 14 SIGTERMs left asyncio's clean-up waiting
-    for ever. A SIGINT this process was started ignoring (a shell's background job) stays ignored."""
+    for ever. A second signal raises KeyboardInterrupt at once (a sweep that does not stop). A
+    SIGINT this process was started ignoring (a shell's background job) stays ignored."""
     loop, task, stopped = asyncio.get_running_loop(), asyncio.current_task(), []
     signals = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]
     before = {s: signal.getsignal(s) for s in signals}
 
     def stop() -> None:
+        if stopped:
+            raise KeyboardInterrupt
         stopped.append(True)
         task.cancel()
 
@@ -223,10 +226,17 @@ async def _stoppable(coro) -> bool:
     except asyncio.CancelledError:
         if not stopped:
             raise
+        task.uncancel()  # ours: a later cancel (asyncio.run's own SIGINT handler) must still count
     finally:
-        for s in signals:
-            loop.remove_signal_handler(s)
-            signal.signal(s, before[s])  # remove_signal_handler leaves the default, not what was there
+        # blocked while the handlers change hands: remove_signal_handler leaves the default action
+        # (SIGTERM would kill us without writing what was measured or stopping launched servers)
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        try:
+            for s in signals:
+                loop.remove_signal_handler(s)
+                signal.signal(s, before[s])
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
     return bool(stopped)
 
 

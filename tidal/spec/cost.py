@@ -170,7 +170,9 @@ class DraftCostModel:
     all, after catching the drafter up on `catch_up` skipped positions (EAGLE-3)."""
 
     def __init__(self, window: int = 256):
-        self._fit = _LeastSquares(4, window, 1e-9 * np.eye(4), nonneg=(0, 1, 2, 3))
+        # every sample at once: at K = 0 its only samples are the policy's rare probes, and a
+        # refit of 4 coefficients is cheap
+        self._fit = _LeastSquares(4, window, 1e-9 * np.eye(4), nonneg=(0, 1, 2, 3), refit_every=1)
 
     @staticmethod
     def features(forwards: int, tokens: int, catch_up: int) -> np.ndarray:
