@@ -21,13 +21,12 @@ from tidal.bench.datasets import chat_prompts, rewrite_prompts
 from tidal.config import SpecConfig
 
 
-def lifetime(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[int, int, int, list[int], list[int]]:
-    """Decode steps, drafts, accepted drafts, and drafts / accepted per position, summed over
-    `prompts`, each run alone."""
+def lifetime(llm: LLM, prompts: list[list[int]], output_len: int, k: int) -> tuple[int, int, int, list[int], list[int]]:
+    """Decode steps, drafts, accepted drafts, and drafts / accepted per position (of `k`),
+    summed over `prompts`, each run alone."""
     eng = llm.engine
     steps = drafted = accepted = 0
-    per_drafted: list[int] = []
-    per_accepted: list[int] = []
+    per_drafted, per_accepted = [0] * k, [0] * k
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         eng.add_request(f"life-{i}", prompt, params)
@@ -42,9 +41,6 @@ def lifetime(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[int, 
             drafted += spec.num_drafted
             accepted += spec.num_accepted
             for pos, (d, a) in enumerate(zip(spec.drafted_per_position, spec.accepted_per_position)):
-                if pos == len(per_drafted):
-                    per_drafted.append(0)
-                    per_accepted.append(0)
                 per_drafted[pos] += d
                 per_accepted[pos] += a
     return steps, drafted, accepted, per_drafted, per_accepted
@@ -60,12 +56,13 @@ def main():
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
     texts = (rewrite_prompts() if args.workload == "rewrite" else chat_prompts())[:args.num_prompts]
-    results = {}
+    results, prompts = {}, None
     for k in ks:
         llm = LLM(spec=SpecConfig(args.method, k, mode="fixed"))
-        tok = llm.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
-        results[k] = lifetime(llm, prompts, args.output_len)
+        if prompts is None:
+            tok = llm.tokenizer
+            prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+        results[k] = lifetime(llm, prompts, args.output_len, k)
         del llm
     print(f"\n# {args.method}, {len(texts)} {args.workload} prompts run alone, {args.output_len} greedy tokens each")
     print("| K | decode steps | drafts | accepted | K-th draft accepted (one step's promise) "
@@ -74,7 +71,7 @@ def main():
     prev = None
     for k in ks:
         steps, drafted, accepted, per_d, per_a = results[k]
-        promise = f"{per_a[k - 1] / per_d[k - 1]:.2f}" if len(per_d) >= k and per_d[k - 1] else "-"
+        promise = f"{per_a[k - 1] / per_d[k - 1]:.2f}" if per_d[k - 1] else "-"
         saved = "-"
         if prev is not None and drafted > prev[1]:
             saved = f"{(prev[0] - steps) / (drafted - prev[1]):.2f}"
