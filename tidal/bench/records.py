@@ -33,7 +33,8 @@ class BenchRecord:
     `e2e_ms` send to last chunk. `errors` counts failed requests, `error` keeps the first
     message. `acceptance_length` (1 + accepted / drafts: tokens per verify step that drafted),
     `acceptance_rate` (accepted / drafted tokens) and `mean_chosen_k` come from the server's
-    speculative-decoding metrics over the level, None where it exports none.
+    speculative-decoding metrics over the level, None where it exports none. `windows`: when
+    each of its rounds ran, [start, end] in Unix seconds (to match a server's step log to it).
     """
 
     target: str
@@ -54,6 +55,7 @@ class BenchRecord:
     acceptance_length: float | None = None
     acceptance_rate: float | None = None
     mean_chosen_k: float | None = None
+    windows: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -74,6 +74,7 @@ def read_json(path: str | os.PathLike) -> tuple[dict, list[BenchRecord]]:
 def flat_record(r: BenchRecord) -> dict:
     """The record with each latency dict spread into columns like `ttft_ms_p50`."""
     d = r.to_dict()
+    d.pop("windows")  # Unix times per round: in the JSON only
     for name in LATENCY_FIELDS:
         for k, v in d.pop(name).items():
             d[f"{name}_{k}"] = v

@@ -54,11 +54,13 @@ class SweepConfig:
 
 @dataclass
 class Run:
-    """One target's requests at one level, once: results, wall time, spec-counter delta."""
+    """One target's requests at one level, once: results, wall time, spec-counter delta, and
+    when it ran (Unix seconds, start and end)."""
 
     results: list[RequestResult]
     duration_s: float
     spec: SpecCounters | None
+    window: tuple[float, float] = (0.0, 0.0)
 
 
 def rotated(targets: list[Target], turn: int) -> list[Target]:
@@ -124,7 +126,7 @@ async def run_level(client: httpx.AsyncClient, target: Target, prompts: list[str
         return result
 
     before = await scrape_spec_counters(client, target.url)
-    start = time.perf_counter()
+    wall_start, start = time.time(), time.perf_counter()
     if cfg.request_rate is None:
         results = await closed_loop(send, payloads, concurrency)
     else:
@@ -132,7 +134,7 @@ async def run_level(client: httpx.AsyncClient, target: Target, prompts: list[str
     end = max(r.done for r in results)
     after = await scrape_spec_counters(client, target.url)
     spec = after - before if before is not None and after is not None else None
-    return Run(results, end - start, spec)
+    return Run(results, end - start, spec, (wall_start, wall_start + end - start))
 
 
 async def closed_loop(send, payloads: list[dict], concurrency: int) -> list[RequestResult]:
@@ -191,4 +193,5 @@ def summarize(name: str, concurrency: int, rate: float | None, runs: list[Run]) 
         errors=len(failed), error=failed[0].error if failed else None,
         acceptance_length=spec.acceptance_length if spec else None,
         acceptance_rate=spec.acceptance_rate if spec else None,
-        mean_chosen_k=spec.mean_chosen_k if spec else None)
+        mean_chosen_k=spec.mean_chosen_k if spec else None,
+        windows=[list(run.window) for run in runs])

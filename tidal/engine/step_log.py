@@ -1,10 +1,11 @@
 """The step-time log: every measured target step and draft proposal as one CSV row.
 
-Columns: kind, tokens, seqs, context, forwards, catch_up, seconds. A step row (kind "step", or
+Columns: kind, tokens, seqs, context, forwards, catch_up, seconds, time. A step row (kind "step", or
 "profile" during the start-up profile) is what StepCostModel fits: tokens fed, running
 sequences, KV tokens held, seconds of the target forward with verification and sampling. A draft
 row (kind "draft", or "profile-draft") is what DraftCostModel fits: head forwards in the chain, draft tokens, catch-up positions,
-seconds. A new file starts with a comment line `# knots=1,2,4,...`: the token counts where the
+seconds. `time` is when the row was written (Unix seconds), so rows can be matched to the
+load a benchmark ran at that moment (benchmarks/sim_validation.py). A new file starts with a comment line `# knots=1,2,4,...`: the token counts where the
 engine's step-time fit may bend. `tidal sim --profile FILE` reads it (tidal.sim.measured) to
 simulate this engine.
 """
@@ -12,9 +13,10 @@ simulate this engine.
 from __future__ import annotations
 
 import csv
+import time
 from pathlib import Path
 
-COLUMNS = ("kind", "tokens", "seqs", "context", "forwards", "catch_up", "seconds")
+COLUMNS = ("kind", "tokens", "seqs", "context", "forwards", "catch_up", "seconds", "time")
 
 
 class StepLog:
@@ -30,11 +32,12 @@ class StepLog:
             self._writer.writerow(COLUMNS)
 
     def step(self, tokens: int, seqs: int, context: int, seconds: float, profile: bool = False) -> None:
-        self._writer.writerow(("profile" if profile else "step", tokens, seqs, context, "", "", f"{seconds:.6f}"))
+        self._writer.writerow(("profile" if profile else "step", tokens, seqs, context, "", "", f"{seconds:.6f}",
+                               f"{time.time():.3f}"))
 
     def draft(self, forwards: int, tokens: int, catch_up: int, seconds: float, profile: bool = False) -> None:
         self._writer.writerow(("profile-draft" if profile else "draft", tokens, "", "", forwards, catch_up,
-                               f"{seconds:.6f}"))
+                               f"{seconds:.6f}", f"{time.time():.3f}"))
 
     def close(self) -> None:
         self._file.close()

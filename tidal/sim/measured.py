@@ -39,28 +39,33 @@ class MeasuredModel:
             self.draft_cost.observe(int(forwards), int(tokens), int(catch_up), float(seconds))
 
     @classmethod
-    def load(cls, path: str | Path, kinds: set[str] | None = None) -> "MeasuredModel":
-        """Read a CSV or JSON profile (see the module docstring); from a CSV with a `kind`
-        column, only the rows of `kinds` when given (e.g. {"profile", "profile-draft"}: the
-        engine's start-up profile alone)."""
-        path = Path(path)
-        text = path.read_text()
-        if path.suffix == ".json":
-            data = json.loads(text)
+    def load(cls, path: str | Path | list, kinds: set[str] | None = None,
+             outside: list[tuple[float, float]] = ()) -> "MeasuredModel":
+        """Read a CSV or JSON profile (see the module docstring), or several CSVs pooled (the
+        step logs of servers on one machine); from a CSV with a `kind` column, only the rows of
+        `kinds` when given (e.g. {"profile", "profile-draft"}: the engine's start-up profile
+        alone), and with a `time` column, none written within one of the `outside` windows
+        (start, end): a benchmark level left out of the calibration."""
+        paths = [Path(p) for p in path] if isinstance(path, list) else [Path(path)]
+        if len(paths) == 1 and paths[0].suffix == ".json":
+            data = json.loads(paths[0].read_text())
             return cls([tuple(p) for p in data["steps"]], [tuple(p) for p in data.get("drafts", [])],
                        data.get("knots", DEFAULT_KNOTS))
         steps, drafts, knots = [], [], DEFAULT_KNOTS
-        lines = text.splitlines()
-        for line in lines:
-            if line.startswith("# knots="):
-                knots = tuple(int(k) for k in line.removeprefix("# knots=").split(","))
-        for row in csv.DictReader(line for line in lines if not line.startswith("#")):
-            if kinds is not None and row.get("kind") not in kinds:
-                continue
-            if (row.get("kind") or "").endswith("draft"):
-                drafts.append((row["forwards"], row["tokens"], row["catch_up"], row["seconds"]))
-            else:
-                steps.append((row["tokens"], row["seqs"], row["context"], row["seconds"]))
+        for p in paths:
+            lines = p.read_text().splitlines()
+            for line in lines:
+                if line.startswith("# knots="):
+                    knots = tuple(int(k) for k in line.removeprefix("# knots=").split(","))
+            for row in csv.DictReader(line for line in lines if not line.startswith("#")):
+                if kinds is not None and row.get("kind") not in kinds:
+                    continue
+                if row.get("time") and any(a <= float(row["time"]) <= b for a, b in outside):
+                    continue
+                if (row.get("kind") or "").endswith("draft"):
+                    drafts.append((row["forwards"], row["tokens"], row["catch_up"], row["seconds"]))
+                else:
+                    steps.append((row["tokens"], row["seqs"], row["context"], row["seconds"]))
         return cls(steps, drafts, knots)
 
     def step_time(self, shape: StepShape) -> float:
