@@ -3,6 +3,7 @@ calibration, and the emitted schedules. Pure Python, no model."""
 
 import json
 import math
+import time
 
 import pytest
 
@@ -246,6 +247,24 @@ def test_measured_json_profile_with_drafts_and_knots(tmp_path):
     assert m.step_time(StepShape(16, 1, 64)) == pytest.approx(0.01, rel=0.02)
     assert m.step_time(StepShape(48, 1, 64)) == pytest.approx(0.042, rel=0.02)  # the bend after 16 is kept
     assert m.draft_time([2], 10) == pytest.approx(1e-3 + 4e-3 + 1e-4, rel=0.02)
+
+
+def test_step_logs_pooled_less_the_rows_written_in_a_window(tmp_path):
+    from tidal.engine.step_log import StepLog
+    slow, fast = tmp_path / "slow.csv", tmp_path / "fast.csv"
+    for path, seconds in ((fast, 0.01), (slow, 0.05)):
+        time.sleep(0.01)  # the two files' rows apart in time (the column has milliseconds)
+        log = StepLog(path, (1, 2, 4, 8))
+        for t in (1, 2, 4, 8):
+            log.step(t, 1, 64, seconds)
+        log.close()
+    times = [float(line.rsplit(",", 1)[1]) for line in slow.read_text().splitlines()[2:]]
+    pooled = MeasuredModel.load([slow, fast])
+    assert pooled.step_cost.num_samples == 8
+    assert 0.01 < pooled.step_time(StepShape(2, 1, 64)) < 0.05
+    without_slow = MeasuredModel.load([slow, fast], outside=[(times[0], times[-1])])
+    assert without_slow.step_cost.num_samples == 4
+    assert without_slow.step_time(StepShape(2, 1, 64)) == pytest.approx(0.01, rel=0.02)
 
 
 class DearCatchUp:
