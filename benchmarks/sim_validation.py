@@ -10,10 +10,10 @@ servers; printed side by side with the error, concurrencies the profile covered 
 
 Or, with --logs, leave one level out: each level is predicted from every launched server's step
 log (start-up profile and live steps) less the rows written while that level ran (the bench
-JSON keeps each round's start and end). The live steps carry what an idle start-up profile
-misses: on this 2-core VM a server's live steps ran 10-60% slower than its own profile predicted
-for the same shapes (the machine's speed drifts by that much over minutes), so a profile taken in
-a fast moment overpredicts every level.
+JSON keeps each round's start and end). The live steps carry what a start-up profile misses:
+on this 2-core VM a server's live steps ran 15-35% slower than its own profile's fit for the same
+shapes, because the profile holds context still (48-54 tokens a request: its cost cannot be told
+from the batch's) while live requests hold more, and the machine's speed drifts over minutes.
 
     python benchmarks/sim_validation.py --bench /tmp/val/bench.json --logs /tmp/val/bench-logs/steps-*.csv
 

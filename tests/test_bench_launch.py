@@ -3,6 +3,8 @@ at a time, measured, and stopped; a server that cannot start is a clear error.""
 
 from __future__ import annotations
 
+import csv
+
 import httpx
 import pytest
 
@@ -32,6 +34,12 @@ def test_launch_measures_then_stops_the_servers(tiny_model_dir, tmp_path, capsys
             httpx.get(url + "/health", timeout=2)
     logs = list((tmp_path / "run-logs").glob("server-*.log"))
     assert len(logs) == 2
+    for target in ("off", "fixed-2"):  # each server's step rows fall in its own records' rounds
+        [log] = (tmp_path / "run-logs").glob(f"steps-{target}-*.csv")
+        rows = list(csv.DictReader(line for line in log.read_text().splitlines() if not line.startswith("#")))
+        windows = [w for r in records if r.target == target.replace("-", ":") for w in r.windows]
+        live = [float(row["time"]) for row in rows if row["kind"] == "step"]
+        assert len(windows) == 2 and any(a <= t <= b for t in live for a, b in windows)
 
 
 def test_a_server_that_cannot_start_is_a_clear_error(tmp_path, capsys):
