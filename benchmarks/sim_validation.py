@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from datetime import datetime
 import statistics
 
 from tidal.bench.datasets import chat_prompts, load_tokenizer
@@ -61,16 +62,18 @@ def main():
     if args.logs:
         windows = {c: [w for (_, cc), r in measured.items() if cc == c for w in r.get("windows", [])]
                    for c in cfg["concurrency"]}
-        if not all(windows.values()):
+        if not any(windows.values()):
             raise SystemExit(f"{args.bench} has no round windows: it predates them; rerun tidal bench")
-        models = {c: MeasuredModel.load(args.logs, outside=windows[c]) for c in cfg["concurrency"]}
-        source = f"the step logs {' '.join(args.logs)} less each level's own rows"
-        covered = dict.fromkeys(cfg["concurrency"], False)
+        # rows from before this bench started (an earlier run's logs in the same folder) stay out too
+        started = datetime.fromisoformat(bench["created"]).timestamp()
+        models = {c: MeasuredModel.load(args.logs, outside=[(0.0, started), *w]) for c, w in windows.items() if w}
+        source = (f"the step logs {' '.join(args.logs)} less each level's own rows (the start-up profile's "
+                  f"batches of {', '.join(map(str, PROFILE_BATCH_SIZES))} stay in)")
     else:
         model = MeasuredModel.load(args.profile, kinds={"profile", "profile-draft"})
         models = dict.fromkeys(cfg["concurrency"], model)
         source = f"{model.step_cost.num_samples} profile steps of {args.profile}"
-        covered = {c: c in PROFILE_BATCH_SIZES for c in cfg["concurrency"]}
+    covered = {c: c in PROFILE_BATCH_SIZES for c in cfg["concurrency"]}
     tok, _ = load_tokenizer()
     input_len = round(statistics.mean(len(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])))
                                       for p in chat_prompts()))
@@ -82,12 +85,12 @@ def main():
     print(f"# simulated from {source}; input {input_len} "
           f"tokens, output {cfg['output_len']}, {cfg['num_prompts']} requests per level, acceptance {rate:.3f} "
           f"per position (measured length {statistics.mean(lengths):.2f} at K={fixed.max_k})")
-    print("| mode | concurrency | level in the calibration | measured tok/s | simulated tok/s | error |")
+    print("| mode | concurrency | batch in the start-up profile | measured tok/s | simulated tok/s | error |")
     print("|---|---|---|---|---|---|")
     errors = {True: [], False: []}
     for mode in modes:
         for c in cfg["concurrency"]:
-            if (mode.label, c) not in measured:
+            if (mode.label, c) not in measured or c not in models:
                 continue
             got = measured[mode.label, c]["output_tok_s"]
             sim = simulate(models[c], mode, c, sweep).output_tok_s
@@ -96,7 +99,7 @@ def main():
             print(f"| {mode.label} | {c} | {'yes' if covered[c] else 'no'} | {got:.1f} | {sim:.1f} | {err:+.0%} |")
     for inside, errs in errors.items():
         if errs:
-            print(f"\n{'in' if inside else 'not in'} the calibration: median |error| {statistics.median(errs):.0%}, "
+            print(f"\n{'in' if inside else 'not in'} the start-up profile: median |error| {statistics.median(errs):.0%}, "
                   f"max {max(errs):.0%} over {len(errs)} points")
 
 

@@ -265,6 +265,12 @@ def test_step_logs_pooled_less_the_rows_written_in_a_window(tmp_path):
     without_slow = MeasuredModel.load([slow, fast], outside=[(times[0], times[-1])])
     assert without_slow.step_cost.num_samples == 4
     assert without_slow.step_time(StepShape(2, 1, 64)) == pytest.approx(0.01, rel=0.02)
+    old = tmp_path / "old.csv"  # a log from before the time column
+    old.write_text("kind,tokens,seqs,context,forwards,catch_up,seconds\nstep,1,1,64,,,0.01\n")
+    with pytest.raises(ValueError, match="no time column"):
+        MeasuredModel.load([old, fast], outside=[(0.0, 1.0)])
+    with pytest.raises(ValueError, match="columns"):
+        StepLog(old, (1, 2))  # appending new rows under the old header would misalign them
 
 
 class DearCatchUp:

@@ -4,8 +4,8 @@ Columns: kind, tokens, seqs, context, forwards, catch_up, seconds, time. A step 
 "profile" during the start-up profile) is what StepCostModel fits: tokens fed, running
 sequences, KV tokens held, seconds of the target forward with verification and sampling. A draft
 row (kind "draft", or "profile-draft") is what DraftCostModel fits: head forwards in the chain, draft tokens, catch-up positions,
-seconds. `time` is when the row was written (Unix seconds), so rows can be matched to the
-load a benchmark ran at that moment (benchmarks/sim_validation.py). A new file starts with a comment line `# knots=1,2,4,...`: the token counts where the
+seconds. `time` is when the row was written, right after the step or proposal (Unix seconds), so
+rows can be matched to the load a benchmark ran at that moment (benchmarks/sim_validation.py). A new file starts with a comment line `# knots=1,2,4,...`: the token counts where the
 engine's step-time fit may bend. `tidal sim --profile FILE` reads it (tidal.sim.measured) to
 simulate this engine.
 """
@@ -25,6 +25,11 @@ class StepLog:
     def __init__(self, path: str | Path, knots: tuple[int, ...]):
         path = Path(path)
         new = not path.exists() or path.stat().st_size == 0
+        if not new:
+            header = next((line for line in path.read_text().splitlines() if not line.startswith("#")), "")
+            if header != ",".join(COLUMNS):
+                raise ValueError(f"step log {path} has columns {header!r}, not {','.join(COLUMNS)!r}: "
+                                 "give a new file")
         self._file = open(path, "a", newline="", buffering=1)  # line-buffered: readable while serving
         self._writer = csv.writer(self._file)
         if new:

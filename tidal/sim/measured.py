@@ -46,8 +46,10 @@ class MeasuredModel:
         `kinds` when given (e.g. {"profile", "profile-draft"}: the engine's start-up profile
         alone), and with a `time` column, none written within one of the `outside` windows
         (start, end): a benchmark level left out of the calibration."""
-        paths = [Path(p) for p in path] if isinstance(path, list) else [Path(path)]
-        if len(paths) == 1 and paths[0].suffix == ".json":
+        paths = [Path(p) for p in path] if isinstance(path, (list, tuple)) else [Path(path)]
+        if any(p.suffix == ".json" for p in paths):
+            if len(paths) > 1 or outside:
+                raise ValueError("a JSON profile is read alone, without time windows")
             data = json.loads(paths[0].read_text())
             return cls([tuple(p) for p in data["steps"]], [tuple(p) for p in data.get("drafts", [])],
                        data.get("knots", DEFAULT_KNOTS))
@@ -57,10 +59,13 @@ class MeasuredModel:
             for line in lines:
                 if line.startswith("# knots="):
                     knots = tuple(int(k) for k in line.removeprefix("# knots=").split(","))
-            for row in csv.DictReader(line for line in lines if not line.startswith("#")):
+            reader = csv.DictReader(line for line in lines if not line.startswith("#"))
+            if outside and "time" not in (reader.fieldnames or []):
+                raise ValueError(f"{p} has no time column: its rows cannot be matched to time windows")
+            for row in reader:
                 if kinds is not None and row.get("kind") not in kinds:
                     continue
-                if row.get("time") and any(a <= float(row["time"]) <= b for a, b in outside):
+                if outside and any(a <= float(row["time"]) <= b for a, b in outside):
                     continue
                 if (row.get("kind") or "").endswith("draft"):
                     drafts.append((row["forwards"], row["tokens"], row["catch_up"], row["seconds"]))
