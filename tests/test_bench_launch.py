@@ -3,13 +3,12 @@ at a time, measured, and stopped; a server that cannot start is a clear error.""
 
 from __future__ import annotations
 
-import csv
-
 import httpx
 import pytest
 
 from tidal.bench import report
 from tidal.cli import main
+from tidal.engine.step_log import read_step_log
 
 
 def test_launch_measures_then_stops_the_servers(tiny_model_dir, tmp_path, capsys):
@@ -36,7 +35,7 @@ def test_launch_measures_then_stops_the_servers(tiny_model_dir, tmp_path, capsys
     assert len(logs) == 2
     for target in ("off", "fixed-2"):  # each server's step rows fall in its own records' rounds
         [log] = (tmp_path / "run-logs").glob(f"steps-{target}-*.csv")
-        rows = list(csv.DictReader(line for line in log.read_text().splitlines() if not line.startswith("#")))
+        rows = read_step_log(log)[2]
         windows = [w for r in records if r.target == target.replace("-", ":") for w in r.windows]
         live = [float(row["time"]) for row in rows if row["kind"] == "step" and float(row["time"]) >= windows[0][0]]
         assert len(windows) == 2 and live  # every step after the warm-up ran inside a round (ms rounding aside)

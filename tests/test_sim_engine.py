@@ -2,13 +2,12 @@
 prefill and preemption (a tiny random model runs the engine; speculation off, so no acceptance
 sampling makes the two differ)."""
 
-import csv
-
 import pytest
 
 from tidal import SamplingParams
 from tidal.config import CacheConfig, SchedulerConfig
 from tidal.engine.llm_engine import LLM
+from tidal.engine.step_log import read_step_log
 from tidal.sim.measured import MeasuredModel
 from tidal.sim.simulator import AcceptanceModel, Simulator, Workload, parse_modes
 
@@ -37,7 +36,7 @@ def engine_steps(model_dir, log_path) -> tuple[list[tuple[int, int, int]], tuple
               step_log=str(log_path))
     run_closed_loop(llm.engine)
     llm.engine.step_log.close()
-    rows = list(csv.DictReader(line for line in log_path.read_text().splitlines() if not line.startswith("#")))
+    rows = read_step_log(log_path)[2]
     assert {r["kind"] for r in rows} == {"step"}  # speculation off: no profile, no drafts
     return [(int(r["tokens"]), int(r["seqs"]), int(r["context"])) for r in rows], tuple(llm.engine.step_cost.knots)
 

@@ -1,13 +1,14 @@
 """The step-time log: every measured target step and draft proposal as one CSV row.
 
-Columns: kind, tokens, seqs, context, forwards, catch_up, seconds, time. A step row (kind "step", or
-"profile" during the start-up profile) is what StepCostModel fits: tokens fed, running
+Columns: kind, tokens, seqs, context, forwards, catch_up, seconds, time. A step row (kind
+"step", or "profile" during the start-up profile) is what StepCostModel fits: tokens fed, running
 sequences, KV tokens held, seconds of the target forward with verification and sampling. A draft
-row (kind "draft", or "profile-draft") is what DraftCostModel fits: head forwards in the chain, draft tokens, catch-up positions,
-seconds. `time` is when the row was written, right after the step or proposal (Unix seconds), so
-rows can be matched to the load a benchmark ran at that moment (benchmarks/sim_validation.py). A new file starts with a comment line `# knots=1,2,4,...`: the token counts where the
-engine's step-time fit may bend. `tidal sim --profile FILE` reads it (tidal.sim.measured) to
-simulate this engine.
+row (kind "draft", or "profile-draft") is what DraftCostModel fits: head forwards in the chain,
+draft tokens, catch-up positions, seconds. `time` is when the row was written, right after the
+step or proposal (Unix seconds), so rows can be matched to the load a benchmark ran at that moment
+(benchmarks/sim_validation.py). A new file starts with a comment line `# knots=1,2,4,...`: the
+token counts where the engine's step-time fit may bend. `tidal sim --profile FILE` reads it
+(tidal.sim.measured, through `read_step_log`) to simulate this engine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,18 @@ import time
 from pathlib import Path
 
 COLUMNS = ("kind", "tokens", "seqs", "context", "forwards", "catch_up", "seconds", "time")
+KNOTS_PREFIX = "# knots="
+
+
+def read_step_log(path: str | Path) -> tuple[tuple[int, ...] | None, list[str], list[dict[str, str]]]:
+    """(knots or None, column names, rows as dicts) of a step-log CSV (or any CSV with a header,
+    `#` comment lines skipped)."""
+    lines = Path(path).read_text().splitlines()
+    knots = next((tuple(int(k) for k in line.removeprefix(KNOTS_PREFIX).split(","))
+                  for line in lines if line.startswith(KNOTS_PREFIX)), None)
+    reader = csv.DictReader(line for line in lines if not line.startswith("#"))
+    rows = list(reader)
+    return knots, list(reader.fieldnames or []), rows
 
 
 class StepLog:
@@ -25,15 +38,13 @@ class StepLog:
     def __init__(self, path: str | Path, knots: tuple[int, ...]):
         path = Path(path)
         new = not path.exists() or path.stat().st_size == 0
-        if not new:
-            header = next((line for line in path.read_text().splitlines() if not line.startswith("#")), "")
-            if header != ",".join(COLUMNS):
-                raise ValueError(f"step log {path} has columns {header!r}, not {','.join(COLUMNS)!r}: "
-                                 "give a new file")
+        if not new and (columns := read_step_log(path)[1]) != list(COLUMNS):
+            raise ValueError(f"step log {path} has columns {','.join(columns)!r}, not {','.join(COLUMNS)!r}: "
+                             "give a new file")
         self._file = open(path, "a", newline="", buffering=1)  # line-buffered: readable while serving
         self._writer = csv.writer(self._file)
         if new:
-            self._file.write("# knots=" + ",".join(map(str, knots)) + "\n")
+            self._file.write(KNOTS_PREFIX + ",".join(map(str, knots)) + "\n")
             self._writer.writerow(COLUMNS)
 
     def step(self, tokens: int, seqs: int, context: int, seconds: float, profile: bool = False) -> None:

@@ -13,10 +13,10 @@ profile that did not time it).
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
+from tidal.engine.step_log import read_step_log
 from tidal.sim.roofline import StepShape
 from tidal.spec.cost import DEFAULT_KNOTS, DraftCostModel, StepCostModel
 
@@ -55,14 +55,11 @@ class MeasuredModel:
                        data.get("knots", DEFAULT_KNOTS))
         steps, drafts, knots = [], [], DEFAULT_KNOTS
         for p in paths:
-            lines = p.read_text().splitlines()
-            for line in lines:
-                if line.startswith("# knots="):
-                    knots = tuple(int(k) for k in line.removeprefix("# knots=").split(","))
-            reader = csv.DictReader(line for line in lines if not line.startswith("#"))
-            if outside and "time" not in (reader.fieldnames or []):
+            file_knots, columns, rows = read_step_log(p)
+            knots = file_knots or knots
+            if outside and "time" not in columns:
                 raise ValueError(f"{p} has no time column: its rows cannot be matched to time windows")
-            for row in reader:
+            for row in rows:
                 if kinds is not None and row.get("kind") not in kinds:
                     continue
                 if outside and any(a <= float(row["time"]) <= b for a, b in outside):
