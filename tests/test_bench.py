@@ -110,6 +110,7 @@ def test_repeats_alternate_the_targets_and_pool_their_rounds(fake):
         assert r.num_requests == r.completed == 6 and r.output_tokens == 6 * out
         assert _close(r.duration_s, 3 * e2e, 0.1), r.duration_s  # the rounds' own time, not the gaps
         assert len(r.windows) == 3 and all(_close(b - a, e2e, 0.1) for a, b in r.windows)  # when each round ran
+        assert all(b <= a for (_, b), (a, _) in zip(r.windows, r.windows[1:]))  # in order, none overlapping
         assert _close(r.output_tok_s, out * c / e2e, 0.1)
         assert r.acceptance_length == pytest.approx(2.5)  # the counters' deltas summed over rounds
 

@@ -54,13 +54,16 @@ class SweepConfig:
 
 @dataclass
 class Run:
-    """One target's requests at one level, once: results, wall time, spec-counter delta, and
-    when it ran (Unix seconds, start and end)."""
+    """One target's requests at one level, once: results, spec-counter delta, and when it ran
+    (Unix seconds: first request sent, last one done)."""
 
     results: list[RequestResult]
-    duration_s: float
     spec: SpecCounters | None
-    window: tuple[float, float] = (0.0, 0.0)
+    window: tuple[float, float]
+
+    @property
+    def duration_s(self) -> float:
+        return self.window[1] - self.window[0]
 
 
 def rotated(targets: list[Target], turn: int) -> list[Target]:
@@ -134,7 +137,7 @@ async def run_level(client: httpx.AsyncClient, target: Target, prompts: list[str
     end = max(r.done for r in results)
     after = await scrape_spec_counters(client, target.url)
     spec = after - before if before is not None and after is not None else None
-    return Run(results, end - start, spec, (wall_start, wall_start + end - start))
+    return Run(results, spec, (wall_start, wall_start + end - start))
 
 
 async def closed_loop(send, payloads: list[dict], concurrency: int) -> list[RequestResult]:
