@@ -230,13 +230,13 @@ async def _stoppable(coro) -> bool:
     finally:
         # blocked while the handlers change hands: remove_signal_handler leaves the default action
         # (SIGTERM would kill us without writing what was measured or stopping launched servers)
-        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
         try:
             for s in signals:
                 loop.remove_signal_handler(s)
                 signal.signal(s, before[s])
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # as it was (a caller may block them too)
     return bool(stopped)
 
 
