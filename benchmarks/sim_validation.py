@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from datetime import datetime
 import statistics
+from datetime import datetime
 
 from tidal.bench.datasets import chat_prompts, load_tokenizer
 from tidal.config import SchedulerConfig
