@@ -72,7 +72,7 @@ def main():
     else:
         model = MeasuredModel.load(args.profile, kinds={"profile", "profile-draft"})
         models = dict.fromkeys(cfg["concurrency"], model)
-        source = f"{model.step_cost.num_samples} profile steps of {args.profile}"
+        source = f"{model.step_cost.num_anchors} profile steps of {args.profile}"
     covered = {c: c in PROFILE_BATCH_SIZES for c in cfg["concurrency"]}
     tok, _ = load_tokenizer()
     input_len = round(statistics.mean(len(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])))

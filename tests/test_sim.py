@@ -273,6 +273,30 @@ def test_step_logs_pooled_less_the_rows_written_in_a_window(tmp_path):
         StepLog(old, (1, 2))  # appending new rows under the old header would misalign them
 
 
+def test_start_up_profile_gives_the_shape_and_live_steps_the_level(tmp_path):
+    """As in the engine: the profile's rows are anchors, rescaled to the live steps' level, so a
+    shape only the profile measured is priced at the live level (live steps ran slower here)."""
+    from tidal.engine.step_log import StepLog
+    path = tmp_path / "steps.csv"
+    log = StepLog(path, (1, 2, 4, 8, 16, 32, 64))
+    for t in (1, 4, 16, 64):  # profile: a flat 10 ms up to 16 tokens, then 1 ms a token more
+        log.step(t, 1, 64, 0.01 + 1e-3 * max(0, t - 16), profile=True)
+    log.draft(1, 1, 0, 0.002, profile=True)
+    for _ in range(3):
+        log.step(1, 1, 64, 0.015)  # live steps: 1.5x the profile, and only at one token
+    log.close()
+    m = MeasuredModel.load(path)
+    assert m.step_cost.num_samples == 3 and m.step_cost.num_anchors == 4
+    assert m.step_time(StepShape(1, 1, 64)) == pytest.approx(0.015, rel=0.02)
+    assert m.step_time(StepShape(64, 1, 64)) == pytest.approx(1.5 * 0.058, rel=0.05)
+    assert m.draft_time([1], 0) == pytest.approx(0.002, rel=0.02)  # a profile's drafts alone still count
+    profile_only = MeasuredModel.load(path, kinds={"profile", "profile-draft"})
+    assert profile_only.step_time(StepShape(64, 1, 64)) == pytest.approx(0.058, rel=0.05)
+    path.write_text(path.read_text().replace("profile-draft", "warmup"))
+    with pytest.raises(ValueError, match="unknown row kind 'warmup'"):
+        MeasuredModel.load(path)
+
+
 class DearCatchUp:
     """Verification is nearly free, but the draft head's catch-up costs 10 us a position: a
     1000-token prompt costs one step's worth to catch up on, once."""

@@ -7,8 +7,10 @@ token counts where the step time may bend, default StepCostModel's; the engine a
 on CPUs with the int4 kernel, and the simulated policy's cost model uses them too). A CSV row
 whose `kind` column ends in "draft" reads its columns as forwards, tokens, catch_up, seconds; a leading
 comment `# knots=1,2,4,...` sets the knots. The engine's `--step-log` file is such a CSV
-(tidal.engine.step_log). Without draft points the drafter costs nothing (an n-gram drafter, or a
-profile that did not time it).
+(tidal.engine.step_log): its rows of kind "profile" / "profile-draft" (the start-up profile) are
+fitted as the engine fits them, as anchors rescaled to the level of the live rows ("step" /
+"draft"). Without draft points the drafter costs nothing (an n-gram drafter, or a profile that did
+not time it).
 """
 
 from __future__ import annotations
@@ -25,18 +27,27 @@ class MeasuredModel:
     """Step and draft times predicted by StepCostModel / DraftCostModel fitted to the points."""
 
     def __init__(self, steps: list[tuple[int, int, int, float]], drafts: list[tuple[int, int, int, float]] = (),
-                 knots=DEFAULT_KNOTS):
-        if not steps:
+                 knots=DEFAULT_KNOTS, profile_steps: list[tuple[int, int, int, float]] = (),
+                 profile_drafts: list[tuple[int, int, int, float]] = ()):
+        """`profile_steps` / `profile_drafts`: an engine's start-up profile, fitted as the engine
+        fits it: anchors that give the shape where the other points have none, rescaled to the
+        other points' level (StepCostModel). Live steps on this 2-core VM ran 13-25% slower than
+        the start-up profile's at the same shape (the server's front end and the benchmark client
+        share the cores while live); as plain points the profile made the steps it alone
+        covered look that much cheaper."""
+        if not steps and not profile_steps:
             raise ValueError("a measured profile needs at least one step point")
         self.knots = tuple(knots)
         # the window must hold every point: these are the whole profile, not a recent slice
-        self.step_cost = StepCostModel(knots, window=len(steps))
-        for tokens, seqs, context, seconds in steps:
-            self.step_cost.observe(int(tokens), int(seqs), int(context), float(seconds))
+        self.step_cost = StepCostModel(knots, window=max(1, len(steps)))
+        for points, anchor in ((profile_steps, True), (steps, False)):
+            for tokens, seqs, context, seconds in points:
+                self.step_cost.observe(int(tokens), int(seqs), int(context), float(seconds), anchor=anchor)
         self.draft_cost = DraftCostModel(window=max(1, len(drafts)))
-        self.has_drafts = bool(drafts)
-        for forwards, tokens, catch_up, seconds in drafts:
-            self.draft_cost.observe(int(forwards), int(tokens), int(catch_up), float(seconds))
+        self.has_drafts = bool(drafts or profile_drafts)
+        for points, anchor in ((profile_drafts, True), (drafts, False)):
+            for forwards, tokens, catch_up, seconds in points:
+                self.draft_cost.observe(int(forwards), int(tokens), int(catch_up), float(seconds), anchor=anchor)
 
     @classmethod
     def load(cls, path: str | Path | list, kinds: set[str] | None = None,
@@ -53,7 +64,8 @@ class MeasuredModel:
             data = json.loads(paths[0].read_text())
             return cls([tuple(p) for p in data["steps"]], [tuple(p) for p in data.get("drafts", [])],
                        data.get("knots", DEFAULT_KNOTS))
-        steps, drafts, knots = [], [], DEFAULT_KNOTS
+        points = {kind: [] for kind in ("step", "draft", "profile", "profile-draft")}
+        knots = DEFAULT_KNOTS
         for p in paths:
             file_knots, columns, rows = read_step_log(p)
             knots = file_knots or knots
@@ -64,11 +76,14 @@ class MeasuredModel:
                     continue
                 if outside and any(a <= float(row["time"]) <= b for a, b in outside):
                     continue
-                if (row.get("kind") or "").endswith("draft"):
-                    drafts.append((row["forwards"], row["tokens"], row["catch_up"], row["seconds"]))
+                kind = row.get("kind") or "step"  # a CSV without the column holds steps
+                if kind not in points:
+                    raise ValueError(f"{p}: unknown row kind {kind!r}; want one of {', '.join(points)}")
+                if kind.endswith("draft"):
+                    points[kind].append((row["forwards"], row["tokens"], row["catch_up"], row["seconds"]))
                 else:
-                    steps.append((row["tokens"], row["seqs"], row["context"], row["seconds"]))
-        return cls(steps, drafts, knots)
+                    points[kind].append((row["tokens"], row["seqs"], row["context"], row["seconds"]))
+        return cls(points["step"], points["draft"], knots, points["profile"], points["profile-draft"])
 
     def step_time(self, shape: StepShape) -> float:
         """StepCostModel's prediction for the step's tokens, sequences and context."""
@@ -82,4 +97,5 @@ class MeasuredModel:
 
     def describe(self) -> str:
         """One line saying where the step times come from."""
-        return f"measured profile: {self.step_cost.num_samples} step points fitted by StepCostModel"
+        n = self.step_cost.num_samples + self.step_cost.num_anchors
+        return f"measured profile: {n} step points fitted by StepCostModel"

@@ -164,6 +164,10 @@ class StepCostModel:
     def num_samples(self) -> int:
         return self._fit.num_samples
 
+    @property
+    def num_anchors(self) -> int:
+        return len(self._fit.anchors)
+
 
 class DraftCostModel:
     """Seconds for one proposal: `forwards` drafter calls in a chain over `tokens` draft tokens in
