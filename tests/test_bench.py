@@ -95,24 +95,45 @@ def test_measured_timings_match_the_fake_schedule(fake):
         assert r.mean_chosen_k == pytest.approx(1.6)
 
 
-def test_repeats_alternate_the_targets_and_pool_their_rounds(fake):
-    out, c = 4, 2
+def test_repeats_are_passes_over_the_sweep_alternating_targets_and_pooling_rounds(fake):
+    out = 4
     e2e = TTFT + (out - 1) * ITL
     order: list[str] = []
     records: list[BenchRecord] = []
     targets = [Target("a", f"{fake}/ok"), Target("b", f"{fake}/ok")]
-    cfg = SweepConfig(concurrency=[c], num_prompts=2, output_len=out, warmup=0, repeats=3)
+    cfg = SweepConfig(concurrency=[2, 1], num_prompts=2, output_len=out, warmup=0, repeats=2)
     asyncio.run(sweep(targets, PROMPTS, cfg, records, on_request=order.append))
     runs = [label for i, label in enumerate(order) if i % 2 == 0]  # two requests per run
-    assert runs == ["a C=2", "b C=2", "b C=2", "a C=2", "a C=2", "b C=2"]  # turns rotate per round
-    assert sorted(r.target for r in records) == ["a", "b"]
+    # the whole sweep twice, not each level twice in a row; turns rotate per level and per pass
+    assert runs == ["a C=2", "b C=2", "b C=1", "a C=1", "b C=2", "a C=2", "a C=1", "b C=1"]
+    assert sorted((r.target, r.concurrency) for r in records) == [("a", 1), ("a", 2), ("b", 1), ("b", 2)]
     for r in records:
-        assert r.num_requests == r.completed == 6 and r.output_tokens == 6 * out
-        assert _close(r.duration_s, 3 * e2e, 0.1), r.duration_s  # the rounds' own time, not the gaps
-        assert len(r.windows) == 3 and all(_close(b - a, e2e, 0.1) for a, b in r.windows)  # when each round ran
-        assert all(b <= a for (_, b), (a, _) in zip(r.windows, r.windows[1:]))  # in order, none overlapping
+        c = r.concurrency
+        assert r.num_requests == r.completed == 4 and r.output_tokens == 4 * out
+        assert _close(r.duration_s, 2 * (2 // c) * e2e, 0.1), r.duration_s  # the rounds' own time, not the gaps
+        assert len(r.windows) == 2 and all(_close(b - a, (2 // c) * e2e, 0.1) for a, b in r.windows)
+        assert r.windows[0][1] <= r.windows[1][0]  # in order, none overlapping
         assert _close(r.output_tok_s, out * c / e2e, 0.1)
         assert r.acceptance_length == pytest.approx(2.5)  # the counters' deltas summed over rounds
+
+
+def test_a_sweep_cancelled_in_a_later_pass_keeps_the_rounds_that_finished(fake):
+    records: list[BenchRecord] = []
+    targets = [Target("a", f"{fake}/ok"), Target("b", f"{fake}/ok")]
+    cfg = SweepConfig(concurrency=[2, 1], num_prompts=2, output_len=4, warmup=0, repeats=2)
+
+    async def main():
+        done = []
+        task = asyncio.ensure_future(sweep(targets, PROMPTS, cfg, records, on_request=done.append))
+        while len(done) < 9:  # the first pass (8 requests) and one request of the second
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert sorted((r.target, r.concurrency) for r in records) == [("a", 1), ("a", 2), ("b", 1), ("b", 2)]
+    assert all(len(r.windows) == 1 and r.completed == 2 for r in records)  # the unfinished round left out
 
 
 def test_open_loop_follows_the_poisson_schedule(fake):

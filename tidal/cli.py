@@ -124,8 +124,8 @@ def _bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--warmup", type=int, default=2, help="unmeasured requests per target before the sweep")
     b.add_argument("--repeats", type=int, default=1,
-                   help="rounds per level, the targets taking turns; each record pools its rounds "
-                        "(evens out a machine whose speed drifts)")
+                   help="passes over the whole sweep, the targets taking turns at each level; each record "
+                        "pools its rounds (evens out a machine whose speed drifts)")
     b.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--api-key", default=None, help="bearer token for the targets (default: $TIDAL_API_KEY)")

@@ -1,10 +1,13 @@
 """The sweep: for each load level, every target in turn (order rotated per level and per
 repeat), each run closed loop (exactly C requests in flight) or open loop (Poisson arrivals, at
 most C in flight), with the server's speculative-decoding counters read before and after. With
-`repeats` > 1 each level is run that many rounds, the targets taking turns, and a target's
-record pools its rounds: on a machine whose speed drifts over minutes, targets measured one after
-another differ by the drift (22-35% between two identical tidal servers on a 2-core VM), and
-alternating spreads each target over the same stretches of time."""
+`repeats` > 1 the whole sweep runs that many passes, the targets taking turns at each level, and a
+target's record pools its rounds at that level: on a machine whose speed drifts over minutes,
+targets measured one after another differ by the drift (22-35% between two identical tidal
+servers on a 2-core VM), and alternating spreads each target over the same stretches of time.
+Passes rather than each level's rounds back to back, so that each level too is spread over the
+whole run: a level measured in one slow or fast spell misleads a fit across levels (tidal sim
+calibrated on the other levels' step logs, benchmarks/sim_validation.py)."""
 
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ class SweepConfig:
     temperature: float = 0.0
     timeout_s: float = 600.0
     warmup: int = 2  # unmeasured requests per target before the first level
-    repeats: int = 1  # rounds per level, the targets taking turns; a record pools its target's rounds
+    repeats: int = 1  # passes over the levels, the targets taking turns; a record pools its target's rounds
     seed: int = 0
     api_key: str | None = None
 
@@ -86,15 +89,22 @@ async def sweep(targets: list[Target], prompts: list[str], cfg: SweepConfig, rec
         for t in targets:
             t.model = t.model or await discover_model(client, t.url)
             await warm_up(client, t, prompts, cfg)
-        for li, c in enumerate(cfg.concurrency):
-            runs: dict[str, list[Run]] = {t.name: [] for t in targets}
+        runs: dict[tuple[str, int], list[Run]] = {}
+        try:
             for rep in range(cfg.repeats):
-                for t in rotated(targets, li + rep):
-                    runs[t.name].append(await run_level(client, t, prompts, cfg, c, on_request))
-                    if rep == cfg.repeats - 1:  # the target's last round: its record is complete
-                        record = summarize(t.name, c, cfg.request_rate, runs[t.name])
-                        records.append(record)
-                        on_record(record)
+                for li, c in enumerate(cfg.concurrency):
+                    for t in rotated(targets, li + rep):
+                        run = await run_level(client, t, prompts, cfg, c, on_request)
+                        runs.setdefault((t.name, c), []).append(run)
+                        if rep == cfg.repeats - 1:  # the target's last round: its record is complete
+                            record = summarize(t.name, c, cfg.request_rate, runs.pop((t.name, c)))
+                            records.append(record)
+                            on_record(record)
+        finally:  # cancelled in an earlier pass: the rounds that finished still make records
+            for (name, c), done in runs.items():
+                record = summarize(name, c, cfg.request_rate, done)
+                records.append(record)
+                on_record(record)
 
 
 async def discover_model(client: httpx.AsyncClient, url: str) -> str | None:
