@@ -10,11 +10,15 @@ servers; printed side by side with the error, concurrencies the profile covered 
 
 Or, with --logs, leave one level out: each level is predicted from every launched server's step
 log (start-up profile and live steps) less the rows written while that level ran (the bench
-JSON keeps each round's start and end). The live steps carry what a start-up profile misses:
-on this 2-core VM a server's live steps ran 15-35% slower than its own profile's fit for the same
-shapes, because the profile holds context still (48-54 tokens a request: its cost cannot be told
-from the batch's) while live requests hold more, and the machine's speed drifts over minutes.
+JSON keeps each round's start and end); the start-up profile's rows are anchors scaled to the
+live rows' level, as the engine fits them. The live steps carry what a start-up profile misses:
+on this 2-core VM a server's live steps ran 13-60% slower than its own start-up profile at the
+same shapes: the profile is one moment of a machine whose speed drifts that much over minutes
+(and it holds context still, 48-54 tokens a request). Run the bench with --repeats so that each
+level's rounds are spread over the whole run (passes over the sweep).
 
+    tidal bench --launch off,fixed:4,adaptive --concurrency 1,2,4,8,16,32 --num-prompts 8 \
+        --output-len 64 --repeats 3 --output /tmp/val/bench
     python benchmarks/sim_validation.py --bench /tmp/val/bench.json --logs /tmp/val/bench-logs/steps-*.csv
 
 Acceptance for the simulated speculative modes: one per-position rate, solved from the acceptance

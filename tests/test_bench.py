@@ -117,10 +117,17 @@ def test_repeats_are_passes_over_the_sweep_alternating_targets_and_pooling_round
         assert r.acceptance_length == pytest.approx(2.5)  # the counters' deltas summed over rounds
 
 
+def test_a_level_given_twice_pools_each_occurrence_on_its_own(fake):
+    records = _run([Target("a", f"{fake}/ok")], concurrency=[1, 1], num_prompts=2, output_len=4, warmup=0, repeats=2)
+    assert [(r.concurrency, len(r.windows)) for r in records] == [(1, 2), (1, 2)]
+
+
 def test_a_sweep_cancelled_in_a_later_pass_keeps_the_rounds_that_finished(fake):
     records: list[BenchRecord] = []
     targets = [Target("a", f"{fake}/ok"), Target("b", f"{fake}/ok")]
-    cfg = SweepConfig(concurrency=[2, 1], num_prompts=2, output_len=4, warmup=0, repeats=2)
+    # the second pass opens at C=1: its two requests one after the other, so cancelling after the
+    # first of them lands inside the round (not in the gap after it, as two at once could)
+    cfg = SweepConfig(concurrency=[1, 2], num_prompts=2, output_len=4, warmup=0, repeats=2)
 
     async def main():
         done = []

@@ -115,7 +115,7 @@ def main(args) -> int:
     meta = {"tidal_version": __version__, "created": when.isoformat(timespec="seconds"),
             "command": command_line(args), "config": _config_record(args, cfg), "machine": machine_info()}
     records: list[BenchRecord] = []
-    interrupted = False
+    stopped = None  # "interrupted" (Ctrl-C, SIGTERM) or "failed": the outputs say the run is incomplete
     previous = signal.signal(signal.SIGTERM, _interrupt)  # launched servers must not outlive us
     try:
         with ExitStack() as stack:
@@ -129,12 +129,15 @@ def main(args) -> int:
             meta["targets"] = {t.name: t.url for t in targets}
             _run_sweep(targets, prompts, cfg, records, prefix, meta, args.no_progress)
     except KeyboardInterrupt:
-        interrupted = True
+        stopped = "interrupted"
         print("\ninterrupted: writing what was measured so far", file=sys.stderr)
+    except BaseException:
+        stopped = "failed"
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-        _write_outputs(records, [t.name for t in targets] or names, prefix, meta, args.journal, when, interrupted)
-    return EXIT_INTERRUPTED if interrupted else 0
+        _write_outputs(records, [t.name for t in targets] or names, prefix, meta, args.journal, when, stopped)
+    return EXIT_INTERRUPTED if stopped else 0
 
 
 def _interrupt(*_) -> None:
@@ -190,7 +193,7 @@ def _run_sweep(targets, prompts, cfg, records, prefix: Path, meta: dict, no_prog
                 bar.set_description(label)
             bar.update()
 
-        def on_record(r: BenchRecord) -> None:  # saved as each run ends, so a crash keeps them
+        def on_record(r: BenchRecord) -> None:  # saved as each record completes (with --repeats, in the last pass)
             errors = f", {r.errors} errors: {r.error}" if r.errors else ""
             tqdm.write(f"{r.target} C={r.concurrency}: {r.output_tok_s:.1f} tok/s, TTFT p50 "
                        f"{r.ttft_ms['p50'] or 0:.0f} ms, TPOT p50 {r.tpot_ms['p50'] or 0:.1f} ms{errors}",
@@ -241,9 +244,9 @@ async def _stoppable(coro) -> bool:
 
 
 def _write_outputs(records: list[BenchRecord], order: list[str], prefix: Path, meta: dict,
-                   journal: str | None, when: datetime, interrupted: bool) -> None:
+                   journal: str | None, when: datetime, stopped: str | None) -> None:
     order = [n for n in order if any(r.target == n for r in records)]
-    report.write_json(_path(prefix, ".json"), records, {**meta, "complete": not interrupted})
+    report.write_json(_path(prefix, ".json"), records, {**meta, "complete": stopped is None})
     report.write_csv(_path(prefix, ".csv"), records)
     if not records:
         print("nothing was measured", file=sys.stderr)
@@ -253,7 +256,7 @@ def _write_outputs(records: list[BenchRecord], order: list[str], prefix: Path, m
     print(report.format_table(records, order))
     print(f"\nwrote {_path(prefix, '.json')}, {_path(prefix, '.csv')}, {plot_path}", file=sys.stderr)
     if journal:
-        title = f"{when:%Y-%m-%d %H:%M:%S} UTC" + (" (interrupted)" if interrupted else "")
+        title = f"{when:%Y-%m-%d %H:%M:%S} UTC" + (f" ({stopped})" if stopped else "")
         changed = report.update_journal(journal, records, when=title, command=meta["command"],
                                         config=meta["config"], plot_path=str(plot_path), order=order)
         print(f"journal {journal}: {changed}", file=sys.stderr)

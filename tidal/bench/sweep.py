@@ -79,9 +79,11 @@ def rotated(targets: list[Target], turn: int) -> list[Target]:
 async def sweep(targets: list[Target], prompts: list[str], cfg: SweepConfig, records: list[BenchRecord],
                 on_request: Callable[[str], None] = lambda _: None,
                 on_record: Callable[[BenchRecord], None] = lambda _: None) -> None:
-    """Run every level for every target, appending a record to `records` as each run ends (so
-    whatever finished survives a cancellation). `on_request(description)` is called per
-    finished request, `on_record` per finished run."""
+    """Run every level for every target, appending a record to `records` when a target's last
+    round at a level ends (with `repeats` > 1, in the last pass); cancelled or failed, the rounds
+    that finished still make records (a level's targets may then hold different numbers of
+    rounds: each record's `windows` says how many). `on_request(description)` is called per
+    finished request, `on_record` per record."""
     limits = httpx.Limits(max_connections=max(cfg.concurrency) + 8, max_keepalive_connections=max(cfg.concurrency) + 8)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     timeout = httpx.Timeout(cfg.timeout_s, connect=10.0)
@@ -89,20 +91,20 @@ async def sweep(targets: list[Target], prompts: list[str], cfg: SweepConfig, rec
         for t in targets:
             t.model = t.model or await discover_model(client, t.url)
             await warm_up(client, t, prompts, cfg)
-        runs: dict[tuple[str, int], list[Run]] = {}
+        runs: dict[tuple[str, int], list[Run]] = {}  # (target, level index): its finished rounds
         try:
             for rep in range(cfg.repeats):
                 for li, c in enumerate(cfg.concurrency):
                     for t in rotated(targets, li + rep):
                         run = await run_level(client, t, prompts, cfg, c, on_request)
-                        runs.setdefault((t.name, c), []).append(run)
+                        runs.setdefault((t.name, li), []).append(run)
                         if rep == cfg.repeats - 1:  # the target's last round: its record is complete
-                            record = summarize(t.name, c, cfg.request_rate, runs.pop((t.name, c)))
+                            record = summarize(t.name, c, cfg.request_rate, runs.pop((t.name, li)))
                             records.append(record)
                             on_record(record)
         finally:  # cancelled in an earlier pass: the rounds that finished still make records
-            for (name, c), done in runs.items():
-                record = summarize(name, c, cfg.request_rate, done)
+            for (name, li), done in runs.items():
+                record = summarize(name, cfg.concurrency[li], cfg.request_rate, done)
                 records.append(record)
                 on_record(record)
 
