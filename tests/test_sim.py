@@ -273,6 +273,17 @@ def test_step_logs_pooled_less_the_rows_written_in_a_window(tmp_path):
         StepLog(old, (1, 2))  # appending new rows under the old header would misalign them
 
 
+def test_measured_steps_keep_their_total_time():
+    """The fits weigh relative errors, which puts them under the mean of right-skewed times; the
+    simulator sums step times, so the model gives the measured total back."""
+    times = [0.010] * 9 + [0.030]  # one slow step in ten: mean 12 ms
+    points = [(t, 1, 64, x) for t in (1, 4) for x in times]
+    m = MeasuredModel(points)
+    assert float(m.step_cost.predict(1, 1, 64)) < 0.0115  # the relative fit alone sits near the typical step
+    assert m.step_time(StepShape(1, 1, 64)) == pytest.approx(0.012, rel=0.02)
+    assert m.step_time(StepShape(4, 1, 64)) == pytest.approx(0.012, rel=0.02)
+
+
 def test_start_up_profile_gives_the_shape_and_live_steps_the_level(tmp_path):
     """As in the engine: the profile's rows are anchors, rescaled to the live steps' level, so a
     shape only the profile measured is priced at the live level (live steps ran slower here)."""

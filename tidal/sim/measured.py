@@ -18,9 +18,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from tidal.engine.step_log import read_step_log
 from tidal.sim.roofline import StepShape
 from tidal.spec.cost import DEFAULT_KNOTS, DraftCostModel, StepCostModel
+
+
+def _total_ratio(predict, points) -> float:
+    """Measured seconds over predicted, summed over `points` (features..., seconds)."""
+    columns = np.array(points, dtype=float).T
+    predicted = float(np.sum(predict(*columns[:-1])))
+    return float(columns[-1].sum()) / predicted if predicted > 0 else 1.0
 
 
 class MeasuredModel:
@@ -31,10 +40,11 @@ class MeasuredModel:
                  profile_drafts: list[tuple[int, int, int, float]] = ()):
         """`profile_steps` / `profile_drafts`: an engine's start-up profile, fitted as the engine
         fits it: anchors that give the shape where the other points have none, rescaled to the
-        other points' level (StepCostModel). Live steps on this 2-core VM ran 13-25% slower than
-        the start-up profile's at the same shape (the server's front end and the benchmark client
-        share the cores while live); as plain points the profile made the steps it alone
-        covered look that much cheaper."""
+        other points' level (StepCostModel; the engine rescales by its last 256 live steps, this by
+        all of them). On this 2-core VM a server's live steps ran 13-60% slower than its start-up
+        profile at the same shapes (the profile is one moment of a machine whose speed drifts by
+        that much; one engine's profile and live steps, taken together, matched); as plain points
+        the profile made the shapes it alone covered look that much cheaper."""
         if not steps and not profile_steps:
             raise ValueError("a measured profile needs at least one step point")
         self.knots = tuple(knots)
@@ -48,6 +58,13 @@ class MeasuredModel:
         for points, anchor in ((profile_drafts, True), (drafts, False)):
             for forwards, tokens, catch_up, seconds in points:
                 self.draft_cost.observe(int(forwards), int(tokens), int(catch_up), float(seconds), anchor=anchor)
+        # The fits weigh relative errors (right for the policy, which compares steps), and so come
+        # out below the mean of noisy, right-skewed step times; a simulated run's length is their
+        # sum. So both are scaled to give the measured points' (live ones if any) total time: on
+        # the seventh session's leave-one-level-out runs the fit alone put the left-out level's
+        # steps at 0.87-0.99 of measured, every level under.
+        self.step_scale = _total_ratio(self.step_cost.predict, steps or profile_steps)
+        self.draft_scale = _total_ratio(self.draft_cost.predict, drafts or profile_drafts) if self.has_drafts else 1.0
 
     @classmethod
     def load(cls, path: str | Path | list, kinds: set[str] | None = None,
@@ -72,13 +89,13 @@ class MeasuredModel:
             if outside and "time" not in columns:
                 raise ValueError(f"{p} has no time column: its rows cannot be matched to time windows")
             for row in rows:
+                kind = row.get("kind") or "step"  # a CSV without the column holds steps
+                if kind not in points:
+                    raise ValueError(f"{p}: unknown row kind {kind!r}; want one of {', '.join(points)}")
                 if kinds is not None and row.get("kind") not in kinds:
                     continue
                 if outside and any(a <= float(row["time"]) <= b for a, b in outside):
                     continue
-                kind = row.get("kind") or "step"  # a CSV without the column holds steps
-                if kind not in points:
-                    raise ValueError(f"{p}: unknown row kind {kind!r}; want one of {', '.join(points)}")
                 if kind.endswith("draft"):
                     points[kind].append((row["forwards"], row["tokens"], row["catch_up"], row["seconds"]))
                 else:
@@ -86,14 +103,14 @@ class MeasuredModel:
         return cls(points["step"], points["draft"], knots, points["profile"], points["profile-draft"])
 
     def step_time(self, shape: StepShape) -> float:
-        """StepCostModel's prediction for the step's tokens, sequences and context."""
-        return self.step_cost.predict(shape.tokens, shape.seqs, shape.context)
+        """StepCostModel's prediction for the step's tokens, sequences and context, scaled."""
+        return self.step_scale * float(self.step_cost.predict(shape.tokens, shape.seqs, shape.context))
 
     def draft_time(self, ks: list[int], catch_up: int) -> float:
-        """DraftCostModel's prediction (0 when the profile has no draft points)."""
+        """DraftCostModel's prediction, scaled (0 when the profile has no draft points)."""
         if not self.has_drafts:
             return 0.0
-        return self.draft_cost.predict(max(ks, default=0), sum(ks), catch_up)
+        return self.draft_scale * float(self.draft_cost.predict(max(ks, default=0), sum(ks), catch_up))
 
     def describe(self) -> str:
         """One line saying where the step times come from."""
