@@ -92,6 +92,12 @@ async def sweep(targets: list[Target], prompts: list[str], cfg: SweepConfig, rec
             t.model = t.model or await discover_model(client, t.url)
             await warm_up(client, t, prompts, cfg)
         runs: dict[tuple[str, int], list[Run]] = {}  # (target, level index): its finished rounds
+
+        def emit(name: str, li: int) -> None:
+            record = summarize(name, cfg.concurrency[li], cfg.request_rate, runs.pop((name, li)))
+            records.append(record)
+            on_record(record)
+
         try:
             for rep in range(cfg.repeats):
                 for li, c in enumerate(cfg.concurrency):
@@ -99,14 +105,10 @@ async def sweep(targets: list[Target], prompts: list[str], cfg: SweepConfig, rec
                         run = await run_level(client, t, prompts, cfg, c, on_request)
                         runs.setdefault((t.name, li), []).append(run)
                         if rep == cfg.repeats - 1:  # the target's last round: its record is complete
-                            record = summarize(t.name, c, cfg.request_rate, runs.pop((t.name, li)))
-                            records.append(record)
-                            on_record(record)
+                            emit(t.name, li)
         finally:  # cancelled in an earlier pass: the rounds that finished still make records
-            for (name, li), done in runs.items():
-                record = summarize(name, cfg.concurrency[li], cfg.request_rate, done)
-                records.append(record)
-                on_record(record)
+            for key in list(runs):
+                emit(*key)
 
 
 async def discover_model(client: httpx.AsyncClient, url: str) -> str | None:
