@@ -1,9 +1,10 @@
-"""The packed 4-bit path: Q4_1 codes, torch's CPU int4 kernel, and the bf16 default model."""
+"""The packed 4-bit path: Q4_1 codes, torch's CPU int4 kernel, and the bf16 default model; and
+the oneDNN-packed dense bf16 weights."""
 
 import pytest
 import torch
 
-from tidal.layers.linear import Int4Weight, linear
+from tidal.layers.linear import Int4Weight, PackedWeight, linear
 from tidal.models import loader
 
 
@@ -21,6 +22,29 @@ def test_int4_kernel_matches_dense_weights():
     torch.testing.assert_close(wb(x.bfloat16()).float(), x @ dense.t(), atol=0.05, rtol=0.05)
     big = torch.randn(40, k, generator=g)  # above INT4_MAX_TOKENS: the dense weight is used
     torch.testing.assert_close(linear(big, dense, w), big @ dense.t())
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="needs a bf16 CPU")
+def test_packed_dense_weight_gives_the_same_bits_as_f_linear():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(320, 192, generator=g) * 0.05).bfloat16()
+    assert PackedWeight.supported(w) and not PackedWeight.supported(w.float())
+    packed = PackedWeight(w)
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, 192, generator=g).bfloat16()
+        assert torch.equal(linear(x, w, packed=packed), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="needs a bf16 CPU")
+def test_the_default_engine_packs_its_dense_weights_and_the_heads():
+    from tidal import LLM
+    from tidal.config import CacheConfig, SpecConfig
+
+    llm = LLM(spec=SpecConfig("eagle3", 2), cache=CacheConfig(kv_cache_bytes=64 << 20))
+    model, head = llm.engine.runner.model, llm.engine.drafter.head
+    assert model.packed_head is not None and set(model.layers[0].packed) == set(model.layers[0].int4)
+    assert set(head.packed) == {"fc", "lm_head"} and len(head.mid.packed) == 4
+    assert not LLM(dtype="float32", cache=CacheConfig(kv_cache_bytes=64 << 20)).engine.runner.model.packed_head
 
 
 def test_q4_codes_reproduce_gguf_dequantization():

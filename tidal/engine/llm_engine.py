@@ -86,6 +86,7 @@ def make_drafter(spec: SpecConfig, runner: ModelRunner, target: str | None) -> D
         model = runner.model
         head = load_eagle3(spec.draft_model or DEFAULT_EAGLE3_HEAD, model.cfg, model.embed)
         head.to(device=runner.device, dtype=runner.dtype)
+        head.pack_dense()
         drafter = Eagle3Drafter(head, runner)
         runner.aux_layers = drafter.aux_layers
         return drafter
@@ -108,6 +109,7 @@ class LLMEngine:
         model.to(device=self.device, dtype=self.dtype)
         if loaded.int4_codes and self.device.type == "cpu" and self.dtype == torch.bfloat16:
             model.attach_int4(loaded.int4_codes, self.dtype)  # torch's fast int4 kernel is bf16 on CPU
+        model.pack_dense()  # CPU bf16 only
         self.runner = ModelRunner(model, config.cache, self.device, self.dtype, config.seed)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)

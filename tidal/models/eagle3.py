@@ -25,6 +25,7 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.layers.attention import AttentionMetadata, write_kv
+from tidal.layers.linear import PackedWeight, linear
 from tidal.layers.norm import rms_norm
 from tidal.layers.rotary import rope_cache
 from tidal.models.llama import DecoderLayer
@@ -97,13 +98,20 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Parameter(torch.empty(cfg.draft_vocab_size, c.hidden_size))
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.embed = embed.detach()  # a plain tensor: shared with the target, not a parameter here
+        self.packed: dict[str, PackedWeight] = {}  # oneDNN-packed fc and lm_head (CPU bf16 inference)
         cos, sin = rope_cache(c.head_dim, c.max_model_len, c.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
+    def pack_dense(self) -> None:
+        """Pack the weights for oneDNN once, for inference (see PackedWeight); no-op off CPU bf16."""
+        self.mid.pack_dense()
+        self.packed = {name: PackedWeight(getattr(self, name)) for name in ("fc", "lm_head")
+                       if PackedWeight.supported(getattr(self, name))}
+
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[T, 3 x target hidden] target features -> [T, hidden] head input."""
-        return F.linear(aux, self.fc)
+        return linear(aux, self.fc, packed=self.packed.get("fc"))
 
     @torch.inference_mode()
     def forward(self, input_ids, features, positions, kv_cache: tuple, meta: AttentionMetadata):
@@ -128,7 +136,8 @@ class Eagle3Head(nn.Module):
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (float32) of the head's pre-norm output."""
-        return F.linear(rms_norm(out, self.norm, self.cfg.layer.rms_norm_eps), self.lm_head).float()
+        x = rms_norm(out, self.norm, self.cfg.layer.rms_norm_eps)
+        return linear(x, self.lm_head, packed=self.packed.get("lm_head")).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

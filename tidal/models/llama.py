@@ -12,7 +12,7 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.layers.attention import AttentionMetadata, paged_attention
-from tidal.layers.linear import Int4Weight, linear
+from tidal.layers.linear import Int4Weight, PackedWeight, linear
 from tidal.layers.norm import rms_norm
 from tidal.layers.rotary import apply_rope, rope_cache
 
@@ -32,6 +32,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(2 * cfg.intermediate_size, cfg.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size))
         self.int4: dict[str, Int4Weight] = {}  # optional packed 4-bit copies, by parameter name
+        self.packed: dict[str, PackedWeight] = {}  # optional oneDNN-packed dense copies (CPU bf16)
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         return self.block(h, rms_norm(h, self.input_norm, self.cfg.rms_norm_eps), cos, sin, k_cache, v_cache, meta)
@@ -45,17 +46,27 @@ class DecoderLayer(nn.Module):
         """Rotated queries [T, heads, D] and keys, values [T, kv_heads, D] of the normed input."""
         cfg = self.cfg
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = linear(x, self.qkv_proj, self.int4.get("qkv_proj")).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self._linear("qkv_proj", x).split([q_size, kv_size, kv_size], dim=-1)
         q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         return q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim)
 
     def finish(self, h, attn):
         """Residual add of the attention output [T, heads * D], then the MLP block."""
-        h = h + linear(attn, self.o_proj, self.int4.get("o_proj"))
+        h = h + self._linear("o_proj", attn)
         x = rms_norm(h, self.post_norm, self.cfg.rms_norm_eps)
-        gate, up = linear(x, self.gate_up_proj, self.int4.get("gate_up_proj")).chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, self.down_proj, self.int4.get("down_proj"))
+        gate, up = self._linear("gate_up_proj", x).chunk(2, dim=-1)
+        return h + self._linear("down_proj", F.silu(gate) * up)
+
+    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, getattr(self, name), self.int4.get(name), self.packed.get(name))
+
+    def pack_dense(self) -> None:
+        """Pack the projections for oneDNN once (inference only: the copies do not follow the
+        parameters); a no-op where it does not apply (not CPU bf16)."""
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            if PackedWeight.supported(getattr(self, name)):
+                self.packed[name] = PackedWeight(getattr(self, name))
 
 
 class LlamaModel(nn.Module):
@@ -69,6 +80,7 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.packed_head: PackedWeight | None = None
         cos, sin = rope_cache(cfg.head_dim, cfg.max_model_len, cfg.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -78,6 +90,14 @@ class LlamaModel(nn.Module):
         for name, (q, scale, minimum) in codes.items():
             _, i, param = name.split(".")
             self.layers[int(i)].int4[param] = Int4Weight.from_codes(q, scale, minimum, dtype)
+
+    def pack_dense(self) -> None:
+        """oneDNN-packed copies of the dense weights (CPU bf16): the output head, used every
+        step, and the layers' projections, used where the 4-bit kernel is not."""
+        for layer in self.layers:
+            layer.pack_dense()
+        head = self.embed if self.cfg.tie_word_embeddings else self.lm_head
+        self.packed_head = PackedWeight(head) if PackedWeight.supported(head) else None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
@@ -96,4 +116,4 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed if self.cfg.tie_word_embeddings else self.lm_head
-        return F.linear(hidden, head).float()
+        return linear(hidden, head, packed=self.packed_head).float()
