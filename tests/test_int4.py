@@ -44,7 +44,19 @@ def test_the_default_engine_packs_its_dense_weights_and_the_heads():
     model, head = llm.engine.runner.model, llm.engine.drafter.head
     assert model.packed_head is not None and set(model.layers[0].packed) == set(model.layers[0].int4)
     assert set(head.packed) == {"fc", "lm_head"} and len(head.mid.packed) == 4
+    assert set(head.int4) == {"fc", "lm_head"} and len(head.mid.int4) == 4  # the target is 4-bit: so is the head
     assert not LLM(dtype="float32", cache=CacheConfig(kv_cache_bytes=64 << 20)).engine.runner.model.packed_head
+
+
+def test_rounding_a_dense_weight_to_int4_stays_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 96, generator=g) * 0.05
+    assert Int4Weight.fits(w) and not Int4Weight.fits(w[:40]) and not Int4Weight.fits(w[:, :48])
+    x = torch.eye(96)  # reads the rounded weight back, column by column
+    back = Int4Weight.quantize(w, torch.float32)(x).t()
+    groups = w.view(48, 3, 32)
+    step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, dim=1)
+    assert ((back - w).abs() <= step / 2 + 1e-6).all() and not torch.equal(back, w)
 
 
 def test_q4_codes_reproduce_gguf_dequantization():

@@ -37,6 +37,22 @@ class Int4Weight:
         zeros = minimum + 8 * scale  # the kernel subtracts 8 from every code
         return cls(packed, torch.stack([scale, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype))
 
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """The kernel's shape rules: whole groups along K, N a multiple of 16."""
+        return weight.dim() == 2 and weight.shape[1] % GROUP_SIZE == 0 and weight.shape[0] % 16 == 0
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> "Int4Weight":
+        """Round a dense [N, K] weight to 4 bits per group of 32 (each group's own min and step,
+        as GGUF's Q4_1 does)."""
+        n, k = weight.shape
+        groups = weight.detach().float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+        minimum, maximum = groups.amin(-1), groups.amax(-1)
+        scale = ((maximum - minimum) / 15).clamp(min=1e-12)
+        codes = ((groups - minimum[..., None]) / scale[..., None]).round().clamp(0, 15).view(n, k)
+        return cls.from_codes(codes, scale, minimum, dtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
 

@@ -17,6 +17,9 @@ from tidal.layers.norm import rms_norm
 from tidal.layers.rotary import apply_rope, rope_cache
 
 
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU block. `attn_input_size` lets EAGLE-3's layer attend over
     [normed embedding, normed feature] (2 x hidden) while keeping the hidden-size residual."""
@@ -64,9 +67,15 @@ class DecoderLayer(nn.Module):
     def pack_dense(self) -> None:
         """Pack the projections for oneDNN once (inference only: the copies do not follow the
         parameters); a no-op where it does not apply (not CPU bf16)."""
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        for name in PROJECTIONS:
             if PackedWeight.supported(getattr(self, name)):
                 self.packed[name] = PackedWeight(getattr(self, name))
+
+    def round_to_int4(self) -> None:
+        """4-bit copies of the projections, rounded from the dense weights (for small steps)."""
+        for name in PROJECTIONS:
+            if Int4Weight.fits(w := getattr(self, name)):
+                self.int4[name] = Int4Weight.quantize(w, w.dtype)
 
 
 class LlamaModel(nn.Module):
