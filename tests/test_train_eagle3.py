@@ -5,7 +5,8 @@ import torch
 
 from tidal import SamplingParams
 from tidal.sequence import Sequence
-from tidal.train.eagle3 import Example, draft_vocab, load_examples, save_examples, ttt_forward, ttt_loss
+from tidal.train.eagle3 import (Example, draft_vocab, load_examples, save_examples, target_answers, ttt_forward,
+                                ttt_loss)
 from tests.test_eagle import eagle_setup, make  # noqa: F401  (fixture)
 
 
@@ -76,3 +77,16 @@ def test_saved_examples_load_back_only_for_the_same_key(tmp_path):
         assert torch.equal(a.ids, b.ids) and torch.equal(a.features, b.features) and torch.equal(a.hidden, b.hidden)
     with pytest.raises(ValueError, match="generated for"):
         load_examples(path, {**key, "max_tokens": 16})
+
+
+def test_sampled_answers_are_seeded_and_not_the_greedy_ones():
+    from tidal import LLM
+    from tidal.config import CacheConfig
+
+    llm = LLM(cache=CacheConfig(kv_cache_bytes=64 << 20))  # the bundled model: it has a chat template
+    texts = ["Name a colour.", "Write a word that rhymes with cat.", "Say something about rivers."]
+    greedy = target_answers(llm, texts, 12)
+    sampled = target_answers(llm, texts, 12, temperature=1.0, seed=3)
+    assert sampled == target_answers(llm, texts, 12, temperature=1.0, seed=3)  # reproducible
+    assert [p for p, _ in sampled] == [p for p, _ in greedy] and sampled != greedy
+    assert sampled != target_answers(llm, texts, 12, temperature=1.0, seed=4)

@@ -95,7 +95,8 @@ def _train_drafter(args) -> int:
         train_drafter(str(out), model=args.model, prompts=prompts, max_tokens=args.max_tokens,
                       draft_vocab_size=args.draft_vocab_size, epochs=args.epochs, num_steps=args.num_steps,
                       lr=args.lr, batch_tokens=args.batch_tokens, seed=args.seed, dtype=args.dtype,
-                      data=args.data, log=log)
+                      data=args.data, sampled_answers=args.sampled_answers,
+                      answer_temperature=args.answer_temperature, log=log)
     return 0
 
 
@@ -196,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--batch-tokens", type=int, default=4096, help="tokens per optimiser step")
     t.add_argument("--data", default=None,
                    help="file for the target's answers and features: written once, reused by later runs")
+    t.add_argument("--sampled-answers", type=int, default=0,
+                   help="answers per prompt sampled at --answer-temperature, besides the greedy one (more data)")
+    t.add_argument("--answer-temperature", type=float, default=0.7)
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=_train_drafter)
     b = sub.add_parser("bench", help="concurrency sweep over OpenAI-compatible servers, side by side")

@@ -1,7 +1,8 @@
 """Train an EAGLE-3 head for a target by self-distillation, as EAGLE-3 does, sized for a CPU.
 
-1. The target answers a prompt set (greedy, chat template): the head learns the target's own
-   continuations, not a dataset's.
+1. The target answers a prompt set (greedy, chat template; optionally also sampled answers, more
+   contexts from the same prompts): the head learns the target's own continuations, not a
+   dataset's. Every position's label is the target's distribution there, sampled answer or not.
 2. One target prefill over prompt + answer gives, per position, the fused low/mid/high features
    the head drafts from and the target's final hidden state (its next-token distribution).
 3. Training-time test (TTT): the head is unrolled for `num_steps` chained draft steps over every
@@ -39,11 +40,15 @@ class Example:
     prompt_len: int
 
 
-def target_answers(llm, prompts: list[str], max_tokens: int) -> list[tuple[list[int], list[int]]]:
-    """The target's greedy answer to each prompt: (prompt ids, answer ids)."""
+def target_answers(llm, prompts: list[str], max_tokens: int, temperature: float = 0.0,
+                   seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """The target's answer to each prompt, greedy or sampled (prompt i seeded seed + i):
+    (prompt ids, answer ids)."""
     tok = llm.tokenizer
     chats = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    outs = llm.generate(chats, SamplingParams(max_tokens=max_tokens, temperature=0))
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                             seed=None if temperature == 0 else seed + i) for i in range(len(chats))]
+    outs = llm.generate(chats, params)
     return [(o.prompt_token_ids, o.token_ids) for o in outs]
 
 
@@ -237,10 +242,13 @@ def load_examples(path: str, key: dict) -> list[Example]:
 def train_drafter(output: str, *, model: str | None = None, prompts: list[str] | None = None,
                   max_tokens: int = 192, draft_vocab_size: int = 8192, epochs: int = 3, num_steps: int = 6,
                   lr: float = 1e-3, batch_tokens: int = 4096, val_fraction: float = 0.05, seed: int = 0,
-                  dtype: str = "auto", data: str | None = None, log=print) -> Eagle3Head:
+                  dtype: str = "auto", data: str | None = None, sampled_answers: int = 0,
+                  answer_temperature: float = 0.7, log=print) -> Eagle3Head:
     """Self-distil an EAGLE-3 head for `model` (default: the bundled one) and save it to `output`.
     `data`: a file for the generated answers and features; reused when it exists (same model,
-    prompts and answer length), so that training runs can be repeated without the target."""
+    prompts, answer length and sampled answers), so that training runs can be repeated without
+    the target. `sampled_answers`: that many answers per prompt sampled at `answer_temperature`,
+    besides the greedy one. The held-out examples are whole prompts (all their answers)."""
     import hashlib
     import os
 
@@ -248,6 +256,8 @@ def train_drafter(output: str, *, model: str | None = None, prompts: list[str] |
     from tidal.engine.llm_engine import LLM
     from tidal.models.eagle3 import save_eagle3
 
+    if sampled_answers < 0 or (sampled_answers and not answer_temperature > 0):
+        raise ValueError("sampled_answers must be >= 0, and answer_temperature > 0 when it is not 0")
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     prompts = train_prompts() if prompts is None else prompts
@@ -256,11 +266,15 @@ def train_drafter(output: str, *, model: str | None = None, prompts: list[str] |
     log(f"target {llm.engine.model_name} ({llm.engine.dtype}); {len(prompts)} prompts, answers up to {max_tokens} tokens")
     key = {"model": llm.engine.model_name, "dtype": str(llm.engine.dtype), "max_tokens": max_tokens,
            "prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest()[:16]}
+    if sampled_answers:
+        key.update(sampled_answers=sampled_answers, answer_temperature=answer_temperature, seed=seed)
     if data and os.path.exists(data):
         examples = load_examples(data, key)
         log(f"answers and features: {sum(len(e.ids) for e in examples)} positions loaded from {data}")
     else:
-        pairs = target_answers(llm, prompts, max_tokens)
+        pairs = target_answers(llm, prompts, max_tokens)  # example i answers prompt i % len(prompts)
+        for r in range(sampled_answers):
+            pairs += target_answers(llm, prompts, max_tokens, answer_temperature, seed + (r + 1) * len(prompts))
         log(f"answers: {sum(len(a) for _, a in pairs)} tokens in {time.perf_counter() - t0:.0f}s")
         aux = Eagle3Config(target.cfg, 0, 0, Eagle3Config.default_aux_layers(target.cfg.num_layers)).target_output_layers
         examples = target_features(llm.engine, pairs, aux)
@@ -272,9 +286,10 @@ def train_drafter(output: str, *, model: str | None = None, prompts: list[str] |
     answer_tokens = torch.cat([e.ids[e.prompt_len:] for e in examples])
     log(f"draft vocab {len(draft_ids)}: covers {torch.isin(answer_tokens, draft_ids).float().mean():.2%} of answer tokens")
     head = new_head(target, draft_ids, seed)
-    n_val = max(1, int(len(examples) * val_fraction))
-    perm = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
-    val_set, train_set = [examples[i] for i in perm[:n_val]], [examples[i] for i in perm[n_val:]]
+    n_val = max(1, int(len(prompts) * val_fraction))
+    held_out = set(torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed))[:n_val].tolist())
+    val_set = [ex for i, ex in enumerate(examples) if i % len(prompts) in held_out]
+    train_set = [ex for i, ex in enumerate(examples) if i % len(prompts) not in held_out]
     unembed_d = head.lm_head.detach().clone()  # the target's unembedding rows of the draft vocab
     train(head, unembed_d, train_set, val_set, epochs=epochs, num_steps=num_steps, lr=lr,
           batch_tokens=batch_tokens, seed=seed, log=log)
