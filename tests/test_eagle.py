@@ -112,13 +112,14 @@ def test_catch_up_keeps_the_head_kv_equal_to_one_full_pass(eagle_setup, monkeypa
         seen[id(seq)].append(features.clone())
         real_observe(self, seq, features)
 
-    def choose(self, seq, logits):
+    def choose(self, seqs, logits):
+        (seq,) = seqs  # propose below runs one sequence at a time
         pos = seq.num_tokens + len(seq.draft_token_ids)  # filled in as the chain grows
         full = truth[tuple(seq.prompt_token_ids)]
         n = len(self._chain)
         self._chain.append(0)
         right = full[seq.num_tokens + n] if seq.num_tokens + n < len(full) else 0
-        return (right if (pos + n) % 3 else (right + 1) % 256), None
+        return [((right if (pos + n) % 3 else (right + 1) % 256), None)]
 
     monkeypatch.setattr(Eagle3Drafter, "observe", observe)
     monkeypatch.setattr(Eagle3Drafter, "_choose", choose)

@@ -49,8 +49,7 @@ class Eagle3Drafter:
             logits, out = self._catch_up([seqs[i] for i in live])
             j = 0
             while True:
-                for r, i in enumerate(live):
-                    token, q = self._choose(seqs[i], logits[r])
+                for i, (token, q) in zip(live, self._choose([seqs[i] for i in live], logits)):
                     drafts[i].append(token)
                     probs[i].append(q)
                 j += 1
@@ -93,12 +92,16 @@ class Eagle3Drafter:
         positions, meta = self.runner.metadata(spans)
         return self.head(torch.tensor(tokens, device=positions.device), features, positions, self.kv, meta)
 
-    def _choose(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """Greedy: the head's argmax. Sampling: a draw from the head's filtered distribution,
-        returned over the target vocabulary for the rejection sampler."""
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+        """Each request's draft from its row of `logits`: greedy, the head's argmax (one argmax
+        and one device read for the batch); sampling, see `_sample`."""
+        top = self.head.to_target_ids(logits.argmax(-1)).tolist()
+        return [(t, None) if s.params.greedy else self._sample(s, row) for s, row, t in zip(seqs, logits, top)]
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """A draw from the head's filtered distribution, returned over the target vocabulary
+        for the rejection sampler."""
         p = seq.params
-        if p.greedy:
-            return int(self.head.to_target_ids(logits.argmax())), None
         dev = logits.device
         q = filter_logits(logits[None], torch.tensor([p.temperature], device=dev), torch.tensor([p.top_k], device=dev),
                           torch.tensor([p.top_p], device=dev)).softmax(-1)[0]
