@@ -112,9 +112,9 @@ def test_a_request_is_probed_after_a_long_pause_everywhere():
 
 
 def test_a_drafting_policy_measures_a_plain_step_now_and_then():
-    """Drafts paying every step, one step in `probe_every` + 1 has none: the plain step's cost is
+    """Drafts paying every step, one step in `plain_every` + 1 has none: the plain step's cost is
     measured live, not read off the start-up profile forever."""
-    policy = SpecPolicy("adaptive", 4, probe_every=10)
+    policy = SpecPolicy("adaptive", 4, probe_every=3, plain_every=10)
     choices = [policy.choose(views([0.7] * 4), 4, 4, 400, memory_bound, no_draft_cost) for _ in range(30)]
     assert [i for i, ks in enumerate(choices) if not any(ks)] == [10, 21]
 

@@ -91,8 +91,9 @@ def test_adaptive_takes_k_max_when_verification_is_free():
 
 def test_adaptive_takes_zero_when_verification_is_expensive():
     run = _sim(PerToken(), "adaptive:4", acceptance=0.8)
-    assert run.chosen_k and set(run.chosen_k) == {0}
-    assert run.num_verifications == 0
+    # nothing but the probes: one draft after every `probe_every` (16) steps with none
+    assert run.chosen_k and set(run.chosen_k) <= {0, 1} and 0 < sum(run.chosen_k) <= run.num_steps // 16
+    assert run.num_verifications == sum(run.chosen_k)
 
 
 def test_off_and_fixed_emit_the_expected_tokens():

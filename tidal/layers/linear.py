@@ -4,8 +4,9 @@ weights pre-packed for oneDNN on CPU.
 GGUF Q4_0/Q4_1 weights are groups of 32 4-bit codes with a scale (and a minimum); torch's
 `_weight_int4pack_mm_for_cpu` computes (q - 8) * scale + zero per group, which represents both
 exactly. Reading 4-bit weights is what makes small batches fast on a CPU; at larger token counts
-the dense bf16 matmul wins (decode steps measured on this project's 2-core AVX512-BF16 machine:
-int4 clearly faster at 1-8 tokens, even at 16, slower at 32), so both are kept.
+the dense bf16 matmul wins (decode steps of the bundled model on this project's 2-core
+AVX512-BF16 machine, `benchmarks/int4_vs_dense.py`, dense weights packed as below: int4 faster up
+to 8 tokens, dense from 10, with one compute thread and with two), so both are kept.
 
 `F.linear` on a CPU bf16 weight re-lays the weight out for oneDNN on every call, which at a few
 rows costs as much as the multiply itself; a weight packed once gives the same bits in about
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-INT4_MAX_TOKENS = 16
+INT4_MAX_TOKENS = 8
 GROUP_SIZE = 32
 
 

@@ -30,18 +30,27 @@ Exploration: a request's acceptance is only measured while it drafts. If the pol
 K = 0 everywhere for `probe_every` steps in a row, it gives one draft to the request cheapest to
 catch up, so an estimate made under other load (or an unlucky start) cannot keep speculation off
 for good. That costs one draft-head forward every `probe_every` steps. The other way round, the
-cost of a plain step is only measured while no one drafts: after `probe_every` steps in a row
-with drafts, one step has none. Without it, once the policy drafts, the cost model's window holds
+cost of a plain step is only measured while no one drafts: after `plain_every` steps in a row
+with drafts, one step has none (it gives up a whole step's gain, so it comes rarer). Without it, once the policy drafts, the cost model's window holds
 only drafting steps and the plain step's cost is read off the start-up profile's shape: a
 plausible cause of a run that kept drafting at 128 requests (mean K 0.92) and lost 16% to plain
-decoding (benchmarks/adaptive.py, before this change).
+decoding (benchmarks/adaptive.py, before this change). `probe_every` is 16 (and `plain_every`
+64, as both were before): with 64, at one
+request on the bundled model (where fixed K=2 was 1.11x of plain decoding) the policy drafted in 7
+steps of 294, and those few verifications put position 1's acceptance at 0.18 where it is about
+0.35, so it kept K = 0 (throwaway diagnostic, 2026-12-04).
 
-Risk: a step with drafts must promise `min_gain` (10%) more goodput than the same step without
+Risk: a step with drafts must promise `min_gain` (5%) more goodput than the same step without
 any, or no request drafts. The cost model is an estimate (median error 8% on the bundled model's
 start-up profile, see cost.py) and acceptance is a recent average; near break-even an error
-either way decides, and on a 2-core CPU chasing those few percent lost 12-22% to plain decoding at
-8-32 requests (benchmarks/adaptive.py). Where speculation really pays (a memory-bound GPU step,
-good acceptance) its gain is far above the bar.
+either way decides. With 10% on a 2-core CPU where drafting never paid, the bar kept adaptive
+from chasing a few percent (which had lost 12-22% to plain decoding at 8-32 requests); once
+drafting paid 7-11% at one request (2026-12-04: 4-bit draft head, packed output head) that bar
+kept it from drafting there. 5% (with probes every 16 steps) in the same sweep: mean K 0.08 ->
+0.63 at one request, 1.04x of plain decoding there, and 0.98x-1.00x of it at 2-32 requests
+(`OMP_NUM_THREADS=1 python benchmarks/adaptive.py --concurrency 1,2,4,8,16,32 --min-requests 8`,
+one run each). Where speculation really pays (a memory-bound GPU step, good acceptance) its gain
+is far above either bar.
 
 Hysteresis: the last step's choice is kept unless the new one is better by `margin`, so noise in
 measured step times or in acceptance does not make K flap.
@@ -118,9 +127,9 @@ DraftCost = Callable[[int, int, float], float]  # (forwards, draft tokens, catch
 class SpecPolicy:
     """Chooses draft lengths per request each step: fixed K, a batch-size schedule, or adaptive."""
 
-    def __init__(self, mode: str, max_k: int, schedule: str | None = None, margin: float = 0.03, min_gain: float = 0.1,
+    def __init__(self, mode: str, max_k: int, schedule: str | None = None, margin: float = 0.03, min_gain: float = 0.05,
                  prior_weight: float = 2.0, decay: float = 0.98, initial_acceptance: float = 0.5,
-                 probe_every: int = 64):
+                 probe_every: int = 16, plain_every: int = 64):
         if mode not in MODES:
             raise ValueError(f"speculation mode {mode!r} is not one of {', '.join(MODES)}")
         self.mode, self.max_k, self.margin, self.prior_weight, self.decay = mode, max_k, margin, prior_weight, decay
@@ -131,7 +140,7 @@ class SpecPolicy:
         # engine-wide recency-weighted counts per draft position: the prior of every request
         self._reached = [1.0] * max_k
         self._accepted = [initial_acceptance] * max_k
-        self.probe_every = probe_every
+        self.probe_every, self.plain_every = probe_every, plain_every
         self._idle = 0  # adaptive steps in a row with no drafts anywhere
         self._busy = 0  # ... and with drafts
 
@@ -185,10 +194,10 @@ class SpecPolicy:
 
     def _probe(self, ks: list[int], requests: list[RequestView], charges: list[float], budget: int) -> list[int]:
         """One draft for one request after `probe_every` steps without any, and a step without
-        drafts after `probe_every` with them (see the module docstring)."""
+        drafts after `plain_every` with them (see the module docstring)."""
         if any(ks):
             self._idle, self._busy = 0, self._busy + 1
-            if self._busy > self.probe_every:
+            if self._busy > self.plain_every:
                 self._busy = 0
                 return [0] * len(ks)
             return ks
