@@ -27,30 +27,30 @@ the policy takes at most `draft_budget` drafts in all (the budget left once ever
 has its token and the pending prefill has its share): speculation never delays an admission.
 
 Exploration: a request's acceptance is only measured while it drafts. If the policy has chosen
-K = 0 everywhere for `probe_every` steps in a row, it gives one draft to the request cheapest to
-catch up, so an estimate made under other load (or an unlucky start) cannot keep speculation off
-for good. That costs one draft-head forward every `probe_every` steps. The other way round, the
-cost of a plain step is only measured while no one drafts: after `plain_every` steps in a row
-with drafts, one step has none (it gives up a whole step's gain, so it comes rarer). Without it, once the policy drafts, the cost model's window holds
-only drafting steps and the plain step's cost is read off the start-up profile's shape: a
-plausible cause of a run that kept drafting at 128 requests (mean K 0.92) and lost 16% to plain
-decoding (benchmarks/adaptive.py, before this change). `probe_every` is 16 (and `plain_every`
-64, as both were before): with 64, at one
-request on the bundled model (where fixed K=2 was 1.11x of plain decoding) the policy drafted in 7
-steps of 294, and those few verifications put position 1's acceptance at 0.18 where it is about
-0.35, so it kept K = 0 (throwaway diagnostic, 2026-12-04).
+K = 0 everywhere for `probe_every` (16) steps in a row, it gives one draft to the request
+cheapest to catch up, so an estimate made under other load (or an unlucky start) cannot keep
+speculation off for good. That costs one draft-head forward every `probe_every` steps. With 64,
+at one request on the bundled model (where fixed K=2 was 1.11x of plain decoding) the policy
+drafted in 7 steps of 294, and those few verifications put position 1's acceptance at 0.18 where
+it is about 0.35, so it kept K = 0 (throwaway diagnostic, 2026-12-04). The other way round, the
+cost of a plain step is only measured while no one drafts: after `plain_every` (64) steps in a
+row with drafts, one step has none (it gives up a whole step's gain, so it comes rarer). Without
+it, once the policy drafts, the cost model's window holds only drafting steps and the plain
+step's cost is read off the start-up profile's shape: a plausible cause of a run that kept
+drafting at 128 requests (mean K 0.92) and lost 16% to plain decoding (benchmarks/adaptive.py,
+before this change).
 
 Risk: a step with drafts must promise `min_gain` (5%) more goodput than the same step without
 any, or no request drafts. The cost model is an estimate (median error 8% on the bundled model's
 start-up profile, see cost.py) and acceptance is a recent average; near break-even an error
 either way decides. With 10% on a 2-core CPU where drafting never paid, the bar kept adaptive
 from chasing a few percent (which had lost 12-22% to plain decoding at 8-32 requests); once
-drafting paid 7-11% at one request (2026-12-04: 4-bit draft head, packed output head) that bar
-kept it from drafting there. 5% (with probes every 16 steps) in the same sweep: mean K 0.08 ->
-0.63 at one request, 1.04x of plain decoding there, and 0.98x-1.00x of it at 2-32 requests
-(`OMP_NUM_THREADS=1 python benchmarks/adaptive.py --concurrency 1,2,4,8,16,32 --min-requests 8`,
-one run each). Where speculation really pays (a memory-bound GPU step, good acceptance) its gain
-is far above either bar.
+drafting paid 8-11% at one request (2026-12-04: 4-bit draft head, packed output head) that bar
+kept it from drafting there (mean K 0.08, 0.89x of fixed K=2). With 5% and these probes: mean K
+0.71 at one request, 1.07x of plain decoding and 0.99x of fixed K=2 there, and 0.97x-1.00x of
+the best mode at 2-32 requests (`OMP_NUM_THREADS=1 python benchmarks/adaptive.py --concurrency
+1,2,4,8,16,32 --min-requests 8`, one run each). Where speculation really pays (a memory-bound GPU
+step, good acceptance) its gain is far above either bar.
 
 Hysteresis: the last step's choice is kept unless the new one is better by `margin`, so noise in
 measured step times or in acceptance does not make K flap.
