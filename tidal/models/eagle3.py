@@ -115,7 +115,8 @@ class Eagle3Head(nn.Module):
         self.mid.pack_dense()
         names = ("fc", "lm_head")
         self.packed = {n: PackedWeight(getattr(self, n)) for n in names if PackedWeight.supported(getattr(self, n))}
-        if int4:
+        self.int4 = {}
+        if int4 and self.fc.device.type == "cpu":  # torch's int4 kernel used here is CPU-only
             self.mid.round_to_int4()
             self.int4 = {n: Int4Weight.quantize(w, w.dtype) for n in names if Int4Weight.fits(w := getattr(self, n))}
 

@@ -67,9 +67,7 @@ class DecoderLayer(nn.Module):
     def pack_dense(self) -> None:
         """Pack the projections for oneDNN once (inference only: the copies do not follow the
         parameters); a no-op where it does not apply (not CPU bf16)."""
-        for name in PROJECTIONS:
-            if PackedWeight.supported(getattr(self, name)):
-                self.packed[name] = PackedWeight(getattr(self, name))
+        self.packed = {n: PackedWeight(w) for n in PROJECTIONS if PackedWeight.supported(w := getattr(self, n))}
 
     def round_to_int4(self) -> None:
         """4-bit copies of the projections, rounded from the dense weights (for small steps)."""

@@ -256,8 +256,8 @@ def train_drafter(output: str, *, model: str | None = None, prompts: list[str] |
     from tidal.engine.llm_engine import LLM
     from tidal.models.eagle3 import save_eagle3
 
-    if sampled_answers < 0 or (sampled_answers and not answer_temperature > 0):
-        raise ValueError("sampled_answers must be >= 0, and answer_temperature > 0 when it is not 0")
+    if sampled_answers < 0 or (sampled_answers and SamplingParams(temperature=answer_temperature).greedy):
+        raise ValueError("sampled_answers must be >= 0, and answer_temperature a sampling one (> 0) when it is not 0")
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     prompts = train_prompts() if prompts is None else prompts
@@ -290,6 +290,8 @@ def train_drafter(output: str, *, model: str | None = None, prompts: list[str] |
     held_out = set(torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed))[:n_val].tolist())
     val_set = [ex for i, ex in enumerate(examples) if i % len(prompts) in held_out]
     train_set = [ex for i, ex in enumerate(examples) if i % len(prompts) not in held_out]
+    if not train_set:
+        raise ValueError(f"{len(prompts)} prompt(s): nothing left to train on once {n_val} are held out")
     unembed_d = head.lm_head.detach().clone()  # the target's unembedding rows of the draft vocab
     train(head, unembed_d, train_set, val_set, epochs=epochs, num_steps=num_steps, lr=lr,
           batch_tokens=batch_tokens, seed=seed, log=log)
