@@ -73,6 +73,16 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
+def packed_copies(owner, names) -> dict[str, PackedWeight]:
+    """oneDNN-packed copies of `owner`'s weights `names`, those PackedWeight supports."""
+    return {n: PackedWeight(w) for n in names if PackedWeight.supported(w := getattr(owner, n))}
+
+
+def int4_copies(owner, names) -> dict[str, Int4Weight]:
+    """4-bit copies rounded from `owner`'s dense weights `names`, those the kernel fits."""
+    return {n: Int4Weight.quantize(w, w.dtype) for n in names if Int4Weight.fits(w := getattr(owner, n))}
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, int4: Int4Weight | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     if int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:

@@ -25,10 +25,10 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.layers.attention import AttentionMetadata, write_kv
-from tidal.layers.linear import Int4Weight, PackedWeight, linear
+from tidal.layers.linear import Int4Weight, PackedWeight, int4_copies, linear, packed_copies
 from tidal.layers.norm import rms_norm
 from tidal.layers.rotary import rope_cache
-from tidal.models.llama import DecoderLayer
+from tidal.models.llama import PROJECTIONS, DecoderLayer
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -114,11 +114,10 @@ class Eagle3Head(nn.Module):
         Rounding only changes what the head proposes: verification keeps the output exact."""
         self.mid.pack_dense()
         names = ("fc", "lm_head")
-        self.packed = {n: PackedWeight(getattr(self, n)) for n in names if PackedWeight.supported(getattr(self, n))}
-        self.int4 = {}
-        if int4 and self.fc.device.type == "cpu":  # torch's int4 kernel used here is CPU-only
-            self.mid.round_to_int4()
-            self.int4 = {n: Int4Weight.quantize(w, w.dtype) for n in names if Int4Weight.fits(w := getattr(self, n))}
+        self.packed = packed_copies(self, names)
+        int4 = int4 and self.fc.device.type == "cpu"  # torch's int4 kernel used here is CPU-only
+        self.int4 = int4_copies(self, names) if int4 else {}
+        self.mid.int4 = int4_copies(self.mid, PROJECTIONS) if int4 else {}
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[T, 3 x target hidden] target features -> [T, hidden] head input."""

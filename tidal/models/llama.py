@@ -12,7 +12,7 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.layers.attention import AttentionMetadata, paged_attention
-from tidal.layers.linear import Int4Weight, PackedWeight, linear
+from tidal.layers.linear import Int4Weight, PackedWeight, linear, packed_copies
 from tidal.layers.norm import rms_norm
 from tidal.layers.rotary import apply_rope, rope_cache
 
@@ -67,13 +67,7 @@ class DecoderLayer(nn.Module):
     def pack_dense(self) -> None:
         """Pack the projections for oneDNN once (inference only: the copies do not follow the
         parameters); a no-op where it does not apply (not CPU bf16)."""
-        self.packed = {n: PackedWeight(w) for n in PROJECTIONS if PackedWeight.supported(w := getattr(self, n))}
-
-    def round_to_int4(self) -> None:
-        """4-bit copies of the projections, rounded from the dense weights (for small steps)."""
-        for name in PROJECTIONS:
-            if Int4Weight.fits(w := getattr(self, name)):
-                self.int4[name] = Int4Weight.quantize(w, w.dtype)
+        self.packed = packed_copies(self, PROJECTIONS)
 
 
 class LlamaModel(nn.Module):
@@ -103,8 +97,12 @@ class LlamaModel(nn.Module):
         step, and the layers' projections, used where the 4-bit kernel is not."""
         for layer in self.layers:
             layer.pack_dense()
-        head = self.embed if self.cfg.tie_word_embeddings else self.lm_head
-        self.packed_head = PackedWeight(head) if PackedWeight.supported(head) else None
+        self.packed_head = PackedWeight(self.unembedding) if PackedWeight.supported(self.unembedding) else None
+
+    @property
+    def unembedding(self) -> torch.Tensor:
+        """The output head's weight [vocab, hidden]: the token embedding when they are tied."""
+        return self.embed if self.cfg.tie_word_embeddings else self.lm_head
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple],
@@ -122,5 +120,4 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed if self.cfg.tie_word_embeddings else self.lm_head
-        return linear(hidden, head, packed=self.packed_head).float()
+        return linear(hidden, self.unembedding, packed=self.packed_head).float()

@@ -32,6 +32,15 @@ def _total_ratio(predict, points) -> float:
     return float(columns[-1].sum()) / predicted if predicted > 0 else 1.0
 
 
+def _fitted(model, anchors, points):
+    """`model` (StepCostModel or DraftCostModel) fed the anchors, then the points: each
+    (three counts, seconds)."""
+    for rows, anchor in ((anchors, True), (points, False)):
+        for a, b, c, seconds in rows:
+            model.observe(int(a), int(b), int(c), float(seconds), anchor=anchor)
+    return model
+
+
 class MeasuredModel:
     """Step and draft times predicted by StepCostModel / DraftCostModel fitted to the points."""
 
@@ -49,15 +58,9 @@ class MeasuredModel:
             raise ValueError("a measured profile needs at least one step point")
         self.knots = tuple(knots)
         # the window must hold every point: these are the whole profile, not a recent slice
-        self.step_cost = StepCostModel(knots, window=max(1, len(steps)))
-        for points, anchor in ((profile_steps, True), (steps, False)):
-            for tokens, seqs, context, seconds in points:
-                self.step_cost.observe(int(tokens), int(seqs), int(context), float(seconds), anchor=anchor)
-        self.draft_cost = DraftCostModel(window=max(1, len(drafts)))
+        self.step_cost = _fitted(StepCostModel(knots, window=max(1, len(steps))), profile_steps, steps)
+        self.draft_cost = _fitted(DraftCostModel(window=max(1, len(drafts))), profile_drafts, drafts)
         self.has_drafts = bool(drafts or profile_drafts)
-        for points, anchor in ((profile_drafts, True), (drafts, False)):
-            for forwards, tokens, catch_up, seconds in points:
-                self.draft_cost.observe(int(forwards), int(tokens), int(catch_up), float(seconds), anchor=anchor)
         # The fits weigh relative errors (right for the policy, which compares steps), and so come
         # out below the mean of noisy, right-skewed step times; a simulated run's length is their
         # sum. So both are scaled to give the measured points' (live ones if any) total time: on

@@ -103,8 +103,7 @@ def new_head(target, draft_ids: torch.Tensor, seed: int = 0) -> Eagle3Head:
     with torch.no_grad():
         for p in (head.fc, head.mid.qkv_proj, head.mid.o_proj, head.mid.gate_up_proj, head.mid.down_proj):
             p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        unembed = target.embed if t.tie_word_embeddings else target.lm_head
-        head.lm_head.copy_(unembed.detach().float()[draft_ids])
+        head.lm_head.copy_(target.unembedding.detach().float()[draft_ids])
         head.norm.copy_(target.norm.detach().float())
         head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
     return head
