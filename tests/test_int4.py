@@ -57,6 +57,11 @@ def test_rounding_a_dense_weight_to_int4_stays_within_half_a_step():
     groups = w.view(48, 3, 32)
     step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, dim=1)
     assert ((back - w).abs() <= step / 2 + 1e-6).all() and not torch.equal(back, w)
+    # bf16 step and offset: codes picked against those (against exact ones: 0.66 of a step off)
+    far = w + 0.5
+    q = Int4Weight.quantize(far, torch.bfloat16)
+    back = Int4Weight(q.packed, q.scales_zeros.float())(x).t()  # the kernel's weight, read in fp32
+    assert ((back - far).abs() <= step.bfloat16().float() / 2 + 1e-6).all()
 
 
 def test_q4_codes_reproduce_gguf_dequantization():
