@@ -304,6 +304,9 @@ def test_start_up_profile_gives_the_shape_and_live_steps_the_level(tmp_path):
     assert m.draft_time([1], 0) == pytest.approx(0.002, rel=0.02)  # a profile's drafts alone still count
     profile_only = MeasuredModel.load(path, kinds={"profile", "profile-draft"})
     assert profile_only.step_time(StepShape(64, 1, 64)) == pytest.approx(0.058, rel=0.05)
+    bare = tmp_path / "bare.csv"  # no kind column: every row is a step, kept when steps are asked for
+    bare.write_text("tokens,seqs,context,seconds\n1,1,64,0.015\n4,1,64,0.016\n")
+    assert MeasuredModel.load(bare, kinds={"step"}).step_cost.num_samples == 2
     path.write_text(path.read_text().replace("profile-draft", "warmup"))
     with pytest.raises(ValueError, match="unknown row kind 'warmup'"):
         MeasuredModel.load(path)

@@ -95,7 +95,7 @@ class MeasuredModel:
                 kind = row.get("kind") or "step"  # a CSV without the column holds steps
                 if kind not in points:
                     raise ValueError(f"{p}: unknown row kind {kind!r}; want one of {', '.join(points)}")
-                if kinds is not None and row.get("kind") not in kinds:
+                if kinds is not None and kind not in kinds:
                     continue
                 if outside and any(a <= float(row["time"]) <= b for a, b in outside):
                     continue
