@@ -186,16 +186,36 @@ def test_step_cost_model_fits_a_piecewise_cost_and_extrapolates():
     assert model.predict(200, 8, 800) == pytest.approx(true(200, 8, 800), rel=0.1)  # past the last knot
 
 
-def test_cost_model_refits_every_few_samples_once_its_window_is_full():
+def test_cost_model_refits_every_few_samples_after_its_first_ones():
     model = StepCostModel(window=16)
-    for _ in range(16):  # while the window fills, every sample counts at once
+    for _ in range(8):  # the first refit_every samples count at once
         model.observe(8, 1, 8, 0.010)
         assert model.predict(8, 1, 8) == pytest.approx(0.010, rel=1e-3)
     for _ in range(7):
         model.observe(8, 1, 8, 0.020)
-    assert model.predict(8, 1, 8) == pytest.approx(0.010, rel=1e-3)  # not refitted yet (a refit now: 11.6 ms)
+    assert model.predict(8, 1, 8) == pytest.approx(0.010, rel=1e-3)  # not refitted yet (a refit now: 11.8 ms)
     model.observe(8, 1, 8, 0.020)  # the 8th: refitted on 8 samples at 10 ms and 8 at 20 ms
     assert model.predict(8, 1, 8) == pytest.approx(0.012, rel=1e-3)  # least squares of the relative error
+    for _ in range(8):  # the window (16) now holds 20 ms samples only
+        model.observe(8, 1, 8, 0.020)
+    assert model.predict(8, 1, 8) == pytest.approx(0.020, rel=1e-3)
+
+
+def test_cost_models_price_a_number_as_they_price_an_array():
+    """The policy prices candidates one at a time (plain Python); the simulator and the engine's
+    checks pass arrays. Both paths give the same seconds, past either end of the knots too."""
+    rng = np.random.default_rng(0)
+    step, draft = StepCostModel((1, 2, 4, 8, 9, 16, 32)), DraftCostModel()
+    for _ in range(40):
+        t = int(rng.integers(1, 60))
+        step.observe(t, 3, 300, 0.01 + 0.001 * t + 1e-3 * rng.random())
+        draft.observe(int(rng.integers(1, 5)), int(rng.integers(1, 9)), int(rng.integers(0, 40)), 0.002 + 1e-3 * rng.random())
+    for t in (0, 1, 3, 8, 9, 16.5, 40, 100):
+        assert step.predict(t, 3, 310) == pytest.approx(step.predict(np.array([t]), 3, np.array([310]))[0], rel=1e-12)
+    for f, t, c in ((0, 0, 0), (1, 1, 3), (3, 8, 40.5)):
+        assert draft.predict(f, t, c) == pytest.approx(draft.predict(np.array([f]), np.array([t]), np.array([c]))[0],
+                                                       rel=1e-12, abs=1e-15)
+    assert isinstance(step.predict(4, 3, 310), float) and draft.predict(0, 0, 0) == 0.0
 
 
 def test_step_cost_never_falls_as_sequences_or_context_grow():

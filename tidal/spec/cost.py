@@ -47,9 +47,12 @@ def profile_grid(capacity: int) -> list[tuple[int, int]]:
 
 class _LeastSquares:
     """Ridge least squares of the relative error (each row weighted by 1/y) over anchors + a
-    sliding window of samples, refitted lazily: after every new sample while the window fills,
-    then after every `refit_every` (a refit took 0.8 ms, 2% of a two-request decode step on the
-    bundled model, spent every step; one sample barely moves a fit over 256)."""
+    sliding window of samples, refitted lazily: after each of the first `refit_every` samples (so
+    the live level is set at once), then after every `refit_every` (a refit took 0.8 ms, 2% of a
+    two-request decode step on the bundled model, spent every step; one sample barely moves a
+    fit over dozens). Refitting after every sample until the window (256) was full cost the
+    adaptive policy 0.3-0.45 ms of a 20 ms step at 8 requests for the first 256 steps, the
+    policy's largest cost there (throwaway per-step timing, two threads, 2026-12-04)."""
 
     def __init__(self, num_features: int, window: int, penalty: np.ndarray, nonneg: tuple[int, ...] = (),
                  refit_every: int = 8):
@@ -80,7 +83,7 @@ class _LeastSquares:
             self._pending += 1
 
     def fit(self) -> list[float]:
-        due = self._pending >= (self.refit_every if self._fitted and self._added > len(self._y) else 1)
+        due = self._pending >= (self.refit_every if self._fitted and self._added > self.refit_every else 1)
         if due and (self.anchors or self._added):
             n = self.num_samples
             Xs, ys = self._X[:n], self._y[:n]
@@ -138,12 +141,17 @@ class StepCostModel:
             D[i, i], D[i, i + 1], D[i, i + 2] = 1 / h0, -(1 / h0 + 1 / h1), 1 / h1
         self._fit = _LeastSquares(n + 2, window, smoothness * D.T @ D + 1e-9 * np.eye(n + 2), nonneg=(n, n + 1))
 
+    def _hat(self, tokens) -> tuple[int, float]:
+        """The knot segment i holding `tokens` (the first or last past either end) and the weight
+        of knot i + 1: `tokens` is (1 - w) of knot i and w of knot i + 1."""
+        k = self.knots
+        i = min(max(bisect.bisect_right(k, tokens) - 1, 0), len(k) - 2)
+        return i, (tokens - k[i]) / (k[i + 1] - k[i])
+
     def features(self, tokens: int, seqs: int, context: int) -> np.ndarray:
         """Hat-function weights of `tokens` on the knots (linear past either end), then seqs, context."""
-        k = self.knots
-        x = np.zeros(len(k) + 2)
-        i = min(max(bisect.bisect_right(k, tokens) - 1, 0), len(k) - 2)
-        w = (tokens - k[i]) / (k[i + 1] - k[i])
+        x = np.zeros(len(self.knots) + 2)
+        i, w = self._hat(tokens)
         x[i], x[i + 1] = 1 - w, w
         x[-2], x[-1] = seqs, context
         return x
@@ -152,8 +160,13 @@ class StepCostModel:
         self._fit.add(self.features(tokens, seqs, context), seconds, anchor)
 
     def predict(self, tokens, seqs, context):
-        """Seconds; `tokens` and `context` may be numpy arrays (the policy prices every
-        candidate step of a choice in one call)."""
+        """Seconds; `tokens` and `context` may be numpy arrays. Plain numbers take a plain Python
+        path: the policy prices its candidate steps one at a time (see SpecPolicy.plan)."""
+        if isinstance(tokens, (int, float)):
+            coef = self._fit.fit()
+            i, w = self._hat(tokens)
+            value = (1 - w) * coef[i] + w * coef[i + 1] + coef[-2] * seqs + coef[-1] * context
+            return max(value, self._fit.floor)  # no step is faster than the fastest one measured
         coef, k = np.asarray(self._fit.fit()), self._knots
         i = np.clip(np.searchsorted(k, tokens, side="right") - 1, 0, len(k) - 2)
         w = (tokens - k[i]) / (k[i + 1] - k[i])
@@ -174,9 +187,11 @@ class DraftCostModel:
     all, after catching the drafter up on `catch_up` skipped positions (EAGLE-3)."""
 
     def __init__(self, window: int = 256):
-        # every sample at once: at K = 0 its only samples are the policy's rare probes, and a
-        # refit of 4 coefficients is cheap
-        self._fit = _LeastSquares(4, window, 1e-9 * np.eye(4), nonneg=(0, 1, 2, 3), refit_every=1)
+        # refitted as the step model is (every sample until 8, then every 8th): refitted after every
+        # sample, the policy spent 0.35 ms a drafting step on it at one request, 2-3% of a 10 ms step
+        # (throwaway per-step timing, 2026-12-04). At K = 0 its only samples are the policy's
+        # probes, so its level then lags by up to 8 probes (128 steps).
+        self._fit = _LeastSquares(4, window, 1e-9 * np.eye(4), nonneg=(0, 1, 2, 3))
 
     @staticmethod
     def features(forwards: int, tokens: int, catch_up: int) -> np.ndarray:
@@ -188,4 +203,6 @@ class DraftCostModel:
     def predict(self, forwards, tokens, catch_up):
         """Seconds, 0 without forwards; the arguments may be numpy arrays, as for StepCostModel."""
         e0, e1, e2, e3 = self._fit.fit()
+        if isinstance(forwards, (int, float)):
+            return max(0.0, e0 + e1 * forwards + e2 * tokens + e3 * catch_up) if forwards > 0 else 0.0
         return np.maximum(0.0, e0 + e1 * forwards + e2 * tokens + e3 * catch_up) * (np.asarray(forwards) > 0)
