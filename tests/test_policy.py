@@ -101,14 +101,20 @@ def test_drafts_stay_within_the_budget_left_by_prefill():
 
 def test_a_request_is_probed_after_a_long_pause_everywhere():
     """With K = 0 chosen everywhere, one request (the cheapest to catch up) gets one draft every
-    `probe_every` steps, so acceptance keeps being measured."""
-    policy = SpecPolicy("adaptive", 4, probe_every=10)
-    reqs = views([0.7] * 3)
-    for r, c in zip(reqs, (50, 5, 500)):
-        r.catch_up = c
-    choices = [policy.choose(reqs, 3, 3, 300, compute_bound, no_draft_cost) for _ in range(30)]
-    assert [i for i, ks in enumerate(choices) if any(ks)] == [9, 19, 29]
-    assert choices[9] == [0, 1, 0]
+    `probe_every` steps, so acceptance keeps being measured, or later when that probe would cost
+    more than `probe_share` of the time since the last drafts."""
+    def probes(alpha, cost):
+        policy = SpecPolicy("adaptive", 4, probe_every=10, probe_share=0.01)
+        reqs = views([alpha] * 3)
+        for r, c in zip(reqs, (50, 5, 500)):
+            r.catch_up = c
+        choices = [policy.choose(reqs, 3, 3, 300, cost, no_draft_cost) for _ in range(60)]
+        assert all(ks in ([0, 0, 0], [0, 1, 0]) for ks in choices)
+        return [i for i, ks in enumerate(choices) if any(ks)]
+    # nearly free to verify, but too rarely accepted to pay: a probe every 10 steps
+    assert probes(0.0, memory_bound) == [9, 19, 29, 39, 49, 59]
+    # a token costs 2 ms against a 7 ms step: a probe once 1% of the idle time covers 2 ms (29 steps)
+    assert probes(0.7, compute_bound) == [28, 57]
 
 
 def test_a_drafting_policy_measures_a_plain_step_now_and_then():

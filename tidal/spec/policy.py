@@ -30,7 +30,12 @@ has its token and the pending prefill has its share): speculation never delays a
 Exploration: a request's acceptance is only measured while it drafts. If the policy has chosen
 K = 0 everywhere for `probe_every` (16) steps in a row, it gives one draft to the request
 cheapest to catch up, so an estimate made under other load (or an unlucky start) cannot keep
-speculation off for good. That costs one draft-head forward every `probe_every` steps. With 64,
+speculation off for good, provided what the probe adds to its step (one more token to verify, a
+head forward and the request's whole backlog, as the cost models price them) is at most
+`probe_share` (1%) of the plain steps' time since the last drafts; otherwise it waits until it
+is. Every 16 steps regardless, probes took about 2% of the time at 8 requests on the bundled
+model (one more token there leaves the 4-bit kernel for the dense one: 18.7 -> 22.2 ms, and a
+backlog of 20-60 positions makes the head's forward 3.6 ms; throwaway step log, 2026-12-04). With 64,
 at one request on the bundled model (where fixed K=2 was 1.11x of plain decoding) the policy
 drafted in 7 steps of 294, and those few verifications put position 1's acceptance at 0.18 where
 it is about 0.35, so it kept K = 0 (throwaway diagnostic, 2026-12-04). The other way round, the
@@ -127,7 +132,7 @@ class SpecPolicy:
 
     def __init__(self, mode: str, max_k: int, schedule: str | None = None, margin: float = 0.03, min_gain: float = 0.05,
                  prior_weight: float = 2.0, decay: float = 0.98, initial_acceptance: float = 0.5,
-                 probe_every: int = 16, plain_every: int = 64):
+                 probe_every: int = 16, probe_share: float = 0.01, plain_every: int = 64):
         if mode not in MODES:
             raise ValueError(f"speculation mode {mode!r} is not one of {', '.join(MODES)}")
         self.mode, self.max_k, self.margin, self.prior_weight, self.decay = mode, max_k, margin, prior_weight, decay
@@ -138,8 +143,9 @@ class SpecPolicy:
         # engine-wide recency-weighted counts per draft position: the prior of every request
         self._reached = [1.0] * max_k
         self._accepted = [initial_acceptance] * max_k
-        self.probe_every, self.plain_every = probe_every, plain_every
+        self.probe_every, self.probe_share, self.plain_every = probe_every, probe_share, plain_every
         self._idle = 0  # adaptive steps in a row with no drafts anywhere
+        self._idle_seconds = 0.0  # ... and their predicted decoding time
         self._busy = 0  # ... and with drafts
 
     @property
@@ -180,7 +186,7 @@ class SpecPolicy:
             if (stay != ks and sum(stay) <= budget
                     and self.goodput(*args, ks) <= (1 + self.margin) * self.goodput(*args, stay)):
                 ks = stay
-        return self._probe(ks, requests, charges, budget)
+        return self._probe(ks, requests, budget, args[3:])
 
     @staticmethod
     def catch_up_charge(r: RequestView, worths: list[float]) -> float:
@@ -190,21 +196,29 @@ class SpecPolicy:
         steps_left = r.remaining / (1.0 + sum(worths))
         return r.catch_up / max(1.0, steps_left)
 
-    def _probe(self, ks: list[int], requests: list[RequestView], charges: list[float], budget: int) -> list[int]:
-        """One draft for one request after `probe_every` steps without any, and a step without
-        drafts after `plain_every` with them (see the module docstring)."""
+    def _probe(self, ks: list[int], requests: list[RequestView], budget: int, costs) -> list[int]:
+        """One draft for one request after `probe_every` steps without any, once it costs at most
+        `probe_share` of their time, and a step without drafts after `plain_every` with them (see
+        the module docstring). `costs`: base_tokens, seqs, context, prefill, verify_cost, draft_cost."""
         if any(ks):
-            self._idle, self._busy = 0, self._busy + 1
+            self._idle, self._idle_seconds, self._busy = 0, 0.0, self._busy + 1
             if self._busy > self.plain_every:
                 self._busy = 0
                 return [0] * len(ks)
             return ks
-        self._idle, self._busy = self._idle + 1, 0
+        self._busy = 0
+        base_tokens, seqs, context, prefill, verify_cost, draft_cost = costs
+        plain = verify_cost(base_tokens, seqs, context) - prefill
+        self._idle, self._idle_seconds = self._idle + 1, self._idle_seconds + plain
         able = [i for i, r in enumerate(requests) if min(r.max_k, self.max_k) > 0]
         if self._idle >= self.probe_every and able and budget > 0:
-            ks = list(ks)
-            ks[min(able, key=lambda i: charges[i])] = 1
-            self._idle = 0
+            i = min(able, key=lambda i: requests[i].catch_up)
+            extra = (verify_cost(base_tokens + 1, seqs, context + 1) - prefill - plain
+                     + draft_cost(1, 1, requests[i].catch_up))
+            if extra <= self.probe_share * self._idle_seconds:
+                ks = list(ks)
+                ks[i] = 1
+                self._idle, self._idle_seconds = 0, 0.0
         return ks
 
     @staticmethod
