@@ -48,6 +48,21 @@ def test_low_acceptance_gets_fewer_drafts_than_high_in_the_same_batch():
     assert max(low) < min(high) and min(high) > 0
 
 
+def test_an_unmeasured_request_gets_the_benefit_of_the_doubt():
+    """Acceptance 0.3 is just short of paying for a draft that costs 26% of a step (as at one
+    request on the bundled model) with the 5% bar: a request not yet measured drafts on the
+    optimistic side of its estimate, one measured at that rate does not, one measured higher does."""
+    cost = lambda t, s, c: 0.010 + 0.0026 * (t - 1)  # noqa: E731
+
+    def choose(view, optimism=0.5):
+        return SpecPolicy("adaptive", 1, initial_acceptance=0.3, optimism=optimism).choose(
+            [view], 1, 1, 100, cost, no_draft_cost)
+    assert choose(RequestView(1, [], [])) == [1]
+    assert choose(RequestView(1, [], []), optimism=0.0) == [0]
+    assert choose(RequestView(1, [10.0], [2.0])) == [0]
+    assert choose(RequestView(1, [10.0], [5.0])) == [1]
+
+
 def test_draft_cost_and_catch_up_are_charged():
     policy = SpecPolicy("adaptive", 4)
     cheap = policy.choose(views([0.6]), 1, 1, 100, memory_bound, no_draft_cost)
