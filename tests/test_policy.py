@@ -50,11 +50,11 @@ def test_low_acceptance_gets_fewer_drafts_than_high_in_the_same_batch():
 
 def test_an_unmeasured_request_gets_the_benefit_of_the_doubt():
     """Acceptance 0.3 is just short of paying for a draft that costs 26% of a step (as at one
-    request on the bundled model) with the 5% bar: a request not yet measured drafts on the
-    optimistic side of its estimate, one measured at that rate does not, one measured higher does."""
+    request on the bundled model) with the 5% bar: a request not yet measured starts from an
+    optimistic prior and drafts, one measured lower does not, one measured higher does."""
     cost = lambda t, s, c: 0.010 + 0.0026 * (t - 1)  # noqa: E731
 
-    def choose(view, optimism=0.5):
+    def choose(view, optimism=0.2):
         return SpecPolicy("adaptive", 1, initial_acceptance=0.3, optimism=optimism).choose(
             [view], 1, 1, 100, cost, no_draft_cost)
     assert choose(RequestView(1, [], [])) == [1]

@@ -58,15 +58,17 @@ the best mode at 2-32 requests (`OMP_NUM_THREADS=1 python benchmarks/adaptive.py
 1,2,4,8,16,32 --min-requests 8`, one run each). Where speculation really pays (a memory-bound GPU
 step, good acceptance) its gain is far above either bar.
 
-Optimism: a request's first-position acceptance is taken `optimism` (0.5) standard errors above
-its smoothed estimate (an upper confidence bound; see acceptance_curve). Acceptance differs a lot
+Optimism: a request's first-position acceptance is smoothed towards the engine-wide rate plus
+`optimism` (0.2), not the rate itself, so a new request starts above it and its own counts take
+over as they come (with a prior weight of 2 and counts that decay by 0.9 a verification, the raise
+is 0.2 at the start and about 0.03 once a request has drafted ten times). Acceptance differs a lot
 from one request to the next (on the shipped chat prompts at one request, 0.18 to 0.78 at the
-first position), and it is only measured while a request drafts: started from an engine-wide
-prior near the break-even point, a request the prior undersold stayed at K = 0 (one accepting
-0.73 under fixed K = 2 drafted in 2% of its steps, its three probes having accepted one). With
-the bound, a new request drafts until its own counts say otherwise. Over 16 requests run one at a
-time the change took adaptive from 1.03x of fixed K = 2's time to 0.99x (throwaway, 2026-12-04).
-Near break-even both errors are cheap; a missed good request is not.
+first position under fixed K = 2), and it is only measured while a request drafts: started from
+a prior near the break-even point, a request the prior undersold stayed at K = 0 (one accepting
+0.73 drafted in 2% of its steps, its three probes having accepted one). An upper confidence bound
+(0.5 standard errors) did the same at the start but kept ~0.07 for good, since the decayed
+counts never grow past ~10; in one two-thread sweep with it adaptive drafted at 32 requests
+(mean K 0.91) and lost 7% to plain decoding (throwaway runs and benchmarks/adaptive.py, 2026-12-04).
 
 Hysteresis: the last step's choice is kept unless the new one is better by `margin`, so noise in
 measured step times or in acceptance does not make K flap.
@@ -74,7 +76,6 @@ measured step times or in acceptance does not make K flap.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -121,16 +122,17 @@ def scheduled_k(schedule: list[tuple[int, int | None, int]], batch_size: int) ->
 
 def acceptance_curve(reached: list[float], accepted: list[float], prior: list[float], weight: float,
                      optimism: float = 0.0) -> list[float]:
-    """Per-position conditional acceptance, the request's counts smoothed towards `prior`; the
-    first position's raised by `optimism` standard errors of its estimate (at most 1). Only the
-    first: it is measured whenever the request drafts at all, so its optimism fades as it does;
-    position l is reached only after l - 1 accepted drafts, and an optimistic estimate there
-    stayed high for good (fixed K = 3 chains with 8% acceptance at the third position)."""
+    """Per-position conditional acceptance, the request's counts smoothed towards `prior`, the
+    first position's prior raised by `optimism` (at most 1): a new request starts that much above
+    the engine-wide rate, and the raise fades as its own counts outweigh the prior. Only the
+    first position: it is measured whenever the request drafts at all; position l is reached
+    only after l - 1 accepted drafts, and an optimistic estimate there stayed high for good
+    (K = 3 chains with 8% acceptance at the third position; throwaway, 2026-12-04)."""
     out = []
     for l, p in enumerate(prior):
         n = (reached[l] if l < len(reached) else 0.0) + weight
-        a = ((accepted[l] if l < len(reached) else 0.0) + weight * p) / n
-        out.append(min(1.0, a + optimism * math.sqrt(a * (1 - a) / n)) if l == 0 else a)
+        a = (accepted[l] if l < len(reached) else 0.0) + weight * min(1.0, p + (optimism if l == 0 else 0.0))
+        out.append(a / n)
     return out
 
 
@@ -152,7 +154,7 @@ class SpecPolicy:
 
     def __init__(self, mode: str, max_k: int, schedule: str | None = None, margin: float = 0.03, min_gain: float = 0.05,
                  prior_weight: float = 2.0, decay: float = 0.98, initial_acceptance: float = 0.5,
-                 probe_every: int = 16, probe_share: float = 0.01, plain_every: int = 64, optimism: float = 0.5):
+                 probe_every: int = 16, probe_share: float = 0.01, plain_every: int = 64, optimism: float = 0.2):
         if mode not in MODES:
             raise ValueError(f"speculation mode {mode!r} is not one of {', '.join(MODES)}")
         self.mode, self.max_k, self.margin, self.prior_weight, self.decay = mode, max_k, margin, prior_weight, decay
