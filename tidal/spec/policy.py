@@ -201,14 +201,15 @@ class SpecPolicy:
         charges = [self.catch_up_charge(r, w) for r, w in zip(requests, worths)]
         budget = sum(len(w) for w in worths) if draft_budget is None else max(0, draft_budget)
         prefill = self.prefill_seconds(len(requests), base_tokens, seqs, context, verify_cost)
-        args = (requests, worths, charges, base_tokens, seqs, context, prefill, verify_cost, draft_cost)
+        costs = (base_tokens, seqs, context, prefill, verify_cost, draft_cost)
+        args = (requests, worths, charges, *costs)
         ks = self.plan(*args, budget)
         if any(r.prev_k is not None for r in requests):
             stay = [min(r.max_k, self.max_k, ks[i] if r.prev_k is None else r.prev_k) for i, r in enumerate(requests)]
             if (stay != ks and sum(stay) <= budget
                     and self.goodput(*args, ks) <= (1 + self.margin) * self.goodput(*args, stay)):
                 ks = stay
-        return self._probe(ks, requests, budget, args[3:])
+        return self._probe(ks, requests, budget, costs)
 
     @staticmethod
     def catch_up_charge(r: RequestView, worths: list[float]) -> float:
