@@ -17,6 +17,13 @@ from tidal.spec.verify import verify_greedy, verify_sampled
 # Sequences feeding at most this many tokens share one padded attention call (decode, verify);
 # longer prefill chunks get a call each so padding never multiplies a long chunk.
 SHORT_QUERY_LEN = 16
+# ...but padding multiplies short queries too: one request verifying 4 drafts pads 31 decoding
+# ones to 5 queries each. So the one-token sequences get a call of their own once that padding
+# would reach this many query rows; below it a second call's fixed cost wins. Attention alone, 30
+# layers of the bundled model's shapes, two threads (throwaway timing, 2026-12-04): 32 sequences
+# with one K=4 draft 48 ms in one call, 30 ms in two, 27 ms without the draft; 2 sequences with
+# one K=2 draft 3.6 ms in one, 5.1 ms in two.
+SPLIT_PAD_ROWS = 8
 
 
 def kv_cache_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -86,7 +93,11 @@ class ModelRunner:
             else:
                 groups.append(self._group([(offset, seq, start, n)]))
             offset += n
-        if short:
+        single = [item for item in short if item[3] == 1]
+        if single and len(single) * (max(item[3] for item in short) - 1) >= SPLIT_PAD_ROWS:
+            multi = [item for item in short if item[3] > 1]
+            groups[:0] = [self._group(single), self._group(multi)]
+        elif short:
             groups.insert(0, self._group(short))
         return positions, AttentionMetadata(slot_mapping=slots, groups=groups)
 
