@@ -172,3 +172,31 @@ def test_bos_is_added_once_when_the_model_asks(tmp_path):
     assert tok.encode("hi")[0] == 256 and tok.encode("<s>hi").count(256) == 1
     tc.write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     assert 256 not in engine(tmp_path).tokenizer.encode("hi")
+
+
+def test_one_token_sequences_get_their_own_attention_call_when_drafts_would_pad_them(tiny_model_dir, monkeypatch):
+    """Twelve decoding sequences and one verifying four drafts: padded to five queries in one
+    attention call they would do 5x the work, so they run as two calls, with the same result."""
+    from tidal.engine import model_runner
+    from tidal.engine.scheduler import ScheduledSeq
+
+    eng = engine(tiny_model_dir).engine
+    for i, p in enumerate(prompts(13, seed=3)):
+        eng.add_request(f"r{i}", p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    eng.step()  # prefill: every sequence now has one token to feed
+    seqs = list(eng.scheduler.running)
+    seqs[0].draft_token_ids = [5, 6, 7, 8]
+    for i, s in enumerate(seqs):
+        eng.block_manager.allocate(s, s.num_tokens + (4 if i == 0 else 0))
+    step = [ScheduledSeq(seqs[0], 5, 4)] + [ScheduledSeq(s, 1) for s in seqs[1:]]
+    runner = eng.runner
+
+    def forward():
+        ids, positions, meta = runner.prepare(step)
+        return len(meta.groups), runner.model(ids, positions, runner.kv_caches, meta, ())[0]
+
+    groups, split = forward()
+    monkeypatch.setattr(model_runner, "SPLIT_PAD_ROWS", 10**9)
+    one, padded = forward()
+    assert (groups, one) == (2, 1)
+    torch.testing.assert_close(split, padded)
