@@ -280,3 +280,26 @@ def test_live_steps_set_the_level_of_the_start_up_profile():
         model.observe(32, 32, 3200, 1.5 * true(32, 32, 3200))
     assert model.predict(64, 32, 3200) == pytest.approx(1.5 * true(64, 32, 3200), rel=0.03)
     assert model.predict(32, 32, 3200) == pytest.approx(1.5 * true(32, 32, 3200), rel=0.03)
+
+
+def test_drafting_steps_the_fit_underprices_are_priced_by_their_measured_bias():
+    """Live steps at 32 sequences: mostly plain decodes, one in ten verifying 4 drafts, which
+    costs a fixed 8 ms more than the token curve (a second attention call, say). The fit, one
+    curve for every token and anchored by a profile without that cost, underprices those steps;
+    draft_bias brings their price to what they measured, and leaves plain steps' price alone."""
+    true = lambda t, s, c: 0.030 + 0.0005 * t  # noqa: E731
+    model = StepCostModel()
+    for t in (1, 4, 16, 32, 64, 128):
+        model.observe(t, 32, 3200, true(t, 32, 3200), anchor=True)
+    for i in range(200):
+        drafting = i % 10 == 9
+        tokens = 36 if drafting else 32
+        model.observe(tokens, 32, 3200, true(tokens, 32, 3200) + 0.008 * drafting, drafts=tokens - 32)
+    assert model.predict(36, 32, 3200) < 0.93 * (true(36, 32, 3200) + 0.008)  # the fit alone
+    price = model.pricing(32)
+    assert price(36, 32, 3200) == pytest.approx(true(36, 32, 3200) + 0.008, rel=0.03)
+    assert price(32, 32, 3200) == pytest.approx(true(32, 32, 3200), rel=0.03)
+    bias = model.draft_bias
+    assert bias > 0.1
+    model.observe(60, 32, 3200, 0.5, drafts=None)  # a step that also prefills: not a decode step
+    assert model.draft_bias == bias

@@ -128,7 +128,7 @@ def test_simulated_speculation_equals_the_engines(tiny_model_dir, mode):
     eng, shapes, verifications = llm.engine, [], []
     eng.drafter = KnowingDrafter(continuation)
     observe, record = eng.step_cost.observe, eng.policy.record
-    eng.step_cost.observe = lambda t, s, c, sec, anchor=False: (shapes.append((t, s, c)), observe(t, s, c, sec, anchor))
+    eng.step_cost.observe = lambda t, s, c, sec, **kw: (shapes.append((t, s, c)), observe(t, s, c, sec, **kw))
     eng.policy.record = lambda d, a: (verifications.append((d, a)), record(d, a))
 
     run_closed_loop(eng)

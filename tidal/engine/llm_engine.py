@@ -190,7 +190,8 @@ class LLMEngine:
         results, features = self.runner.execute(out.scheduled)  # ends in a device sync (.tolist())
         stats.seconds = time.perf_counter() - start
         context = sum(s.seq.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
-        self.step_cost.observe(stats.num_tokens, stats.num_seqs, context, stats.seconds, anchor=self._profiling)
+        self.step_cost.observe(stats.num_tokens, stats.num_seqs, context, stats.seconds, anchor=self._profiling,
+                               drafts=out.decode_drafts)
         if self.step_log is not None:
             self.step_log.step(stats.num_tokens, stats.num_seqs, context, stats.seconds, self._profiling)
         self.last_step_stats = stats
@@ -254,9 +255,9 @@ class LLMEngine:
         most = self.policy.most(len(seqs))  # 0 (a schedule's): no lookup, K = 0 costs the drafter nothing
         caps = self.drafter.available(seqs, most) if most else [0] * len(seqs)
         views = [s.spec_view(cap, self.drafter.catch_up(s)) for s, cap in zip(seqs, caps)]
-        ks = self.policy.choose(views, load.tokens, load.seqs, load.context, self.step_cost.predict,
+        ks = self.policy.choose(views, load.tokens, load.seqs, load.context, self.step_cost.pricing(load.tokens),
                                 self.draft_cost.predict, load.draft_budget)
-        self._predicted = self.step_cost.predict(load.tokens + sum(ks), load.seqs, load.context + sum(ks))
+        self._predicted = self.step_cost.predict(load.tokens + sum(ks), load.seqs, load.context + sum(ks), any(ks))
         return ks
 
     def _make_policy(self) -> SpecPolicy:

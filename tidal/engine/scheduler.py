@@ -34,6 +34,14 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
+    @property
+    def decode_drafts(self) -> int | None:
+        """Drafts verified in a decode step (each sequence feeds one token and its drafts);
+        None when the step also prefills (StepCostModel.observe)."""
+        if all(s.num_new_tokens - s.num_draft_tokens == 1 for s in self.scheduled):
+            return sum(s.num_draft_tokens for s in self.scheduled)
+        return None
+
 
 class SpecLoad(NamedTuple):
     """The next step as the speculation policy sees it, before drafts."""

@@ -241,7 +241,8 @@ class Simulator:
             raise RuntimeError("nothing could be scheduled: the KV cache is too small for one request")
         shape = step_shape(out.scheduled)
         seconds = self.step_model.step_time(shape)
-        self.step_cost.observe(shape.tokens, shape.seqs, shape.context, seconds, anchor=self._profiling)
+        self.step_cost.observe(shape.tokens, shape.seqs, shape.context, seconds, anchor=self._profiling,
+                               drafts=out.decode_drafts)
         self.clock += seconds
         self._run.num_steps += 1
         decoding = []
@@ -299,7 +300,7 @@ class Simulator:
         """LLMEngine._choose_k: the policy's draft lengths for the step about to be built."""
         load = self.scheduler.spec_load(seqs)
         views = [s.spec_view(self.policy.max_k, catch_up_positions(s)) for s in seqs]
-        return self.policy.choose(views, load.tokens, load.seqs, load.context, self.step_cost.predict,
+        return self.policy.choose(views, load.tokens, load.seqs, load.context, self.step_cost.pricing(load.tokens),
                                   self.draft_cost.predict, load.draft_budget)
 
     def profile(self) -> None:

@@ -28,6 +28,7 @@ came out negative, and a step of 128 sequences was predicted at 26 ms; it took 5
 from __future__ import annotations
 
 import bisect
+import math
 
 import numpy as np
 
@@ -130,7 +131,7 @@ class StepCostModel:
     """Seconds for one target forward over `tokens` tokens of `seqs` sequences holding `context`
     tokens of KV in all."""
 
-    def __init__(self, knots=DEFAULT_KNOTS, window: int = 256, smoothness: float = 1e-2):
+    def __init__(self, knots=DEFAULT_KNOTS, window: int = 256, smoothness: float = 1e-2, bias_rate: float = 0.2):
         self.knots = sorted(set(knots))
         self._knots = np.array(self.knots, dtype=float)
         n = len(self.knots)
@@ -140,6 +141,9 @@ class StepCostModel:
             h0, h1 = self.knots[i + 1] - self.knots[i], self.knots[i + 2] - self.knots[i + 1]
             D[i, i], D[i, i + 1], D[i, i + 2] = 1 / h0, -(1 / h0 + 1 / h1), 1 / h1
         self._fit = _LeastSquares(n + 2, window, smoothness * D.T @ D + 1e-9 * np.eye(n + 2), nonneg=(n, n + 1))
+        # log(measured / predicted), recency-weighted, on plain decode steps and on steps verifying drafts
+        self._residual = {False: 0.0, True: 0.0}
+        self.bias_rate = bias_rate
 
     def _hat(self, tokens) -> tuple[int, float]:
         """The knot segment i holding `tokens` (the first or last past either end) and the weight
@@ -156,22 +160,51 @@ class StepCostModel:
         x[-2], x[-1] = seqs, context
         return x
 
-    def observe(self, tokens: int, seqs: int, context: int, seconds: float, anchor: bool = False) -> None:
+    def observe(self, tokens: int, seqs: int, context: int, seconds: float, anchor: bool = False,
+                drafts: int | None = None) -> None:
+        """One measured step. `drafts`: for a decode step (every sequence fed one token plus its
+        drafts), how many drafts it verified; None for a step that also prefills. Decode steps
+        also update `draft_bias`."""
+        if drafts is not None and not anchor and seconds > 0 and self.num_samples:
+            r = self._residual
+            r[drafts > 0] += self.bias_rate * (math.log(seconds / self.predict(tokens, seqs, context)) - r[drafts > 0])
         self._fit.add(self.features(tokens, seqs, context), seconds, anchor)
 
-    def predict(self, tokens, seqs, context):
+    @property
+    def draft_bias(self) -> float:
+        """How much dearer than the fit predicts a step verifying drafts has recently been,
+        relative to a plain decode step (log ratio, within +-0.5). The fit has one token curve
+        for every kind of token, and drafts are rare in its window: at 32 requests on the
+        bundled model, drafting steps measured 1.05x of their prediction while plain ones
+        measured 0.96x (median, two threads, throwaway per-step log, 2026-12-04), so drafts
+        looked 10% cheaper than they were, about the whole gain the policy saw in them, and the
+        policy drafted there and lost 3-5% to plain decoding. A drafting step's extra cost is
+        fixed more than per token there (a second attention call once drafts would pad the
+        one-token sequences, see model_runner.SPLIT_PAD_ROWS; at 8 requests one draft leaves
+        the 4-bit kernel), which a per-token curve fitted mostly to plain steps and prefill
+        chunks cannot show. Every drafting step, the policy's probes included, updates it."""
+        return min(0.5, max(-0.5, self._residual[True] - self._residual[False]))
+
+    def predict(self, tokens, seqs, context, drafting: bool = False):
         """Seconds; `tokens` and `context` may be numpy arrays. Plain numbers take a plain Python
-        path: the policy prices its candidate steps one at a time (see SpecPolicy.plan)."""
+        path: the policy prices its candidate steps one at a time (see SpecPolicy.plan).
+        `drafting`: the step verifies drafts, so `draft_bias` applies."""
+        scale = math.exp(self.draft_bias) if drafting else 1.0
         if isinstance(tokens, (int, float)):
             coef = self._fit.fit()
             i, w = self._hat(tokens)
             value = (1 - w) * coef[i] + w * coef[i + 1] + coef[-2] * seqs + coef[-1] * context
-            return max(value, self._fit.floor)  # no step is faster than the fastest one measured
+            return scale * max(value, self._fit.floor)  # no step is faster than the fastest one measured
         coef, k = np.asarray(self._fit.fit()), self._knots
         i = np.clip(np.searchsorted(k, tokens, side="right") - 1, 0, len(k) - 2)
         w = (tokens - k[i]) / (k[i + 1] - k[i])
         value = (1 - w) * coef[i] + w * coef[i + 1] + coef[-2] * seqs + coef[-1] * context
-        return np.maximum(value, self._fit.floor)  # no step is faster than the fastest one measured
+        return scale * np.maximum(value, self._fit.floor)  # no step is faster than the fastest one measured
+
+    def pricing(self, base_tokens: int):
+        """The policy's verify cost for a step that feeds `base_tokens` before drafts: a step
+        with more tokens verifies drafts, so `draft_bias` applies to it."""
+        return lambda tokens, seqs, context: self.predict(tokens, seqs, context, tokens > base_tokens)
 
     @property
     def num_samples(self) -> int:
