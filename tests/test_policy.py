@@ -303,3 +303,12 @@ def test_drafting_steps_the_fit_underprices_are_priced_by_their_measured_bias():
     assert bias > 0.1
     model.observe(60, 32, 3200, 0.5, drafts=None)  # a step that also prefills: not a decode step
     assert model.draft_bias == bias
+
+
+def test_the_optimistic_prior_shrinks_with_the_batch():
+    """The benefit of the doubt is one request's share of a step: a new request alone drafts on
+    it, eight new requests in a batch do not."""
+    cost = lambda t, s, c: 0.010 * s + 0.003 * (t - s)  # noqa: E731  a token per request 0.01 s, a draft 0.003 s
+    policy = SpecPolicy("adaptive", 1, initial_acceptance=0.3)
+    assert policy.choose([RequestView(1, [], [])], 1, 1, 100, cost, no_draft_cost) == [1]
+    assert policy.choose([RequestView(1, [], []) for _ in range(8)], 8, 8, 800, cost, no_draft_cost) == [0] * 8

@@ -61,7 +61,7 @@ step, good acceptance) its gain is far above either bar.
 Optimism: a request's first-position acceptance is smoothed towards the engine-wide rate plus
 `optimism` (0.2), not the rate itself, so a new request starts above it and its own counts take
 over as they come (with a prior weight of 2 and counts that decay by 0.9 a verification, the raise
-is 0.2 at the start, 0.05 after ten verifications and never below 0.03). Acceptance differs a lot
+at one request is 0.2 at the start, 0.05 after ten verifications and never below 0.03). Acceptance differs a lot
 from one request to the next (on the shipped chat prompts at one request, 0.18 to 0.78 at the
 first position under fixed K = 2), and it is only measured while a request drafts: started from
 a prior near the break-even point, a request the prior undersold stayed at K = 0 (one accepting
@@ -69,6 +69,13 @@ a prior near the break-even point, a request the prior undersold stayed at K = 0
 (0.5 standard errors) did the same at the start but kept ~0.07 for good, since the decayed
 counts never grow past ~10; in one two-thread sweep with it adaptive drafted at 32 requests
 (mean K 0.91) and lost 7% to plain decoding (throwaway runs and benchmarks/adaptive.py, 2026-12-04).
+The raise is divided by the number of decoding requests: what finding a good request is worth
+is its own share of the step's goodput (1/B of it), while a drafting step's fixed costs (the
+head's forward, a second attention call, at 8 requests the switch from the 4-bit kernel) fall
+on the whole batch. With the full raise at every batch size, new requests (one every few steps
+in a closed loop) drafted at 8 and 16 requests (mean K 0.19 and 0.58, 0.96x-0.97x of plain
+decoding); divided, mean K was 0.00 there, and 0.98x (two-thread sweeps of benchmarks/adaptive.py,
+2026-12-04, one run each).
 
 Hysteresis: the last step's choice is kept unless the new one is better by `margin`, so noise in
 measured step times or in acceptance does not make K flap.
@@ -195,8 +202,8 @@ class SpecPolicy:
         if self.mode == "schedule":
             k = self.most(len(requests))
             return [min(k, r.max_k) for r in requests]
-        prior = self.prior
-        worths = [draft_worths(acceptance_curve(r.reached, r.accepted, prior, self.prior_weight, self.optimism),
+        prior, optimism = self.prior, self.optimism / max(1, len(requests))
+        worths = [draft_worths(acceptance_curve(r.reached, r.accepted, prior, self.prior_weight, optimism),
                                min(self.max_k, r.max_k)) for r in requests]
         charges = [self.catch_up_charge(r, w) for r, w in zip(requests, worths)]
         budget = sum(len(w) for w in worths) if draft_budget is None else max(0, draft_budget)
