@@ -1,9 +1,10 @@
 """Attention over the paged KV cache for one ragged batch of tokens, with torch SDPA.
 
 The cache of a layer is two tensors [num_slots, kv_heads, head_dim]; slot = block * block_size
-+ offset. Sequences of a step are split into groups (all short-query sequences together, each
-long prefill chunk alone) so that padding to a rectangle wastes little; each group gathers its
-keys by slot and runs one SDPA call with a causal-and-length mask.
++ offset. Sequences of a step are split into groups (short-query sequences together, the
+one-token ones apart from those verifying drafts once padding them would cost more than a call,
+each long prefill chunk alone; ModelRunner.metadata) so that padding to a rectangle wastes little;
+each group gathers its keys by slot and runs one SDPA call with a causal-and-length mask.
 """
 
 from __future__ import annotations

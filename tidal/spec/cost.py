@@ -4,11 +4,14 @@ Target step (prefill chunks, decode tokens and draft tokens to verify, one forwa
     time = f(tokens) + c * sequences + d * context tokens,  c, d >= 0
 where f is piecewise linear over knots in the token count. A straight line in tokens would miss
 what matters on real hardware: a step is nearly flat while weights dominate (memory bound) and
-grows once compute does, and a kernel switch makes a jump (tidal's CPU int4 path ends at 16
-tokens, so the engine adds knots at 16 and 17).
+grows once compute does, and a kernel switch makes a jump (tidal's CPU int4 path ends at
+INT4_MAX_TOKENS = 8 tokens, so the engine adds knots at 8 and 9).
 
 Draft phase (one proposal for the batch):
     time = e0 + e1 * head forwards + e2 * draft tokens + e3 * catch-up tokens,  all e >= 0
+
+A step verifying drafts is also priced with `draft_bias`, the measured bias of such steps against
+plain decode steps (see StepCostModel.draft_bias).
 
 Both are least squares of the relative error over a window of recent steps plus the start-up
 profile (kept as anchors where the live load has no samples), with a small smoothness penalty on f
