@@ -14,7 +14,7 @@ from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.step_log import StepLog
-from tidal.layers.linear import INT4_MAX_TOKENS
+from tidal.layers.linear import INT4_MAX_TOKENS, INT4_ROW_TILE
 from tidal.models import loader
 from tidal.models.llama import LlamaModel
 from tidal.sampling_params import InvalidParameter, SamplingParams
@@ -117,7 +117,8 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         int4 = any(layer.int4 for layer in model.layers)
-        self.step_cost = StepCostModel(DEFAULT_KNOTS + ((INT4_MAX_TOKENS, INT4_MAX_TOKENS + 1) if int4 else ()))
+        int4_knots = (INT4_ROW_TILE, INT4_ROW_TILE + 1, INT4_MAX_TOKENS, INT4_MAX_TOKENS + 1)
+        self.step_cost = StepCostModel(DEFAULT_KNOTS + (int4_knots if int4 else ()))
         self.draft_cost = DraftCostModel()
         self.last_step_stats = StepStats()
         self.step_log = StepLog(config.step_log, tuple(self.step_cost.knots)) if config.step_log else None

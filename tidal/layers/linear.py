@@ -22,6 +22,10 @@ import torch
 import torch.nn.functional as F
 
 INT4_MAX_TOKENS = 8
+# ...and within it the kernel's cost jumps between 4 and 5 rows (decode steps of the bundled model,
+# `benchmarks/int4_vs_dense.py`, two threads, 2026-12-04: 9.6, 10.1, 11.1, 11.7, 14.0, 14.5, 15.5 ms
+# at 1-6 and 8 tokens), so the step-cost model gets a knot there too
+INT4_ROW_TILE = 4
 GROUP_SIZE = 32
 
 

@@ -3,7 +3,7 @@
 The file is CSV with a header `tokens,seqs,context,seconds` (optional further rows may be draft
 points, see below), or JSON: {"steps": [[tokens, seqs, context, seconds], ...],
 "drafts": [[forwards, tokens, catch_up, seconds], ...], "knots": [1, 2, 4, ...]} (knots: the
-token counts where the step time may bend, default StepCostModel's; the engine adds 8 and 9
+token counts where the step time may bend, default StepCostModel's; the engine adds 5, 8 and 9
 on CPUs with the int4 kernel, and the simulated policy's cost model uses them too). A CSV row
 whose `kind` column ends in "draft" reads its columns as forwards, tokens, catch_up, seconds; a leading
 comment `# knots=1,2,4,...` sets the knots. The engine's `--step-log` file is such a CSV

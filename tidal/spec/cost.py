@@ -5,7 +5,7 @@ Target step (prefill chunks, decode tokens and draft tokens to verify, one forwa
 where f is piecewise linear over knots in the token count. A straight line in tokens would miss
 what matters on real hardware: a step is nearly flat while weights dominate (memory bound) and
 grows once compute does, and a kernel switch makes a jump (tidal's CPU int4 path ends at
-INT4_MAX_TOKENS = 8 tokens, so the engine adds knots at 8 and 9).
+INT4_MAX_TOKENS = 8 tokens, so the engine adds knots at 8 and 9, and at 5 where its cost jumps).
 
 Draft phase (one proposal for the batch):
     time = e0 + e1 * head forwards + e2 * draft tokens + e3 * catch-up tokens,  all e >= 0
@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
+from collections import deque
 
 import numpy as np
 
@@ -134,7 +136,7 @@ class StepCostModel:
     """Seconds for one target forward over `tokens` tokens of `seqs` sequences holding `context`
     tokens of KV in all."""
 
-    def __init__(self, knots=DEFAULT_KNOTS, window: int = 256, smoothness: float = 1e-2, bias_rate: float = 0.2):
+    def __init__(self, knots=DEFAULT_KNOTS, window: int = 256, smoothness: float = 1e-2, bias_window: int = 32):
         self.knots = sorted(set(knots))
         self._knots = np.array(self.knots, dtype=float)
         n = len(self.knots)
@@ -144,9 +146,9 @@ class StepCostModel:
             h0, h1 = self.knots[i + 1] - self.knots[i], self.knots[i + 2] - self.knots[i + 1]
             D[i, i], D[i, i + 1], D[i, i + 2] = 1 / h0, -(1 / h0 + 1 / h1), 1 / h1
         self._fit = _LeastSquares(n + 2, window, smoothness * D.T @ D + 1e-9 * np.eye(n + 2), nonneg=(n, n + 1))
-        # log(measured / predicted), recency-weighted, on plain decode steps and on steps verifying drafts
-        self._residual = {False: 0.0, True: 0.0}
-        self.bias_rate = bias_rate
+        # log(measured / predicted) of the last `bias_window` plain decode steps and steps verifying drafts
+        self._residuals = {False: deque(maxlen=bias_window), True: deque(maxlen=bias_window)}
+        self._draft_bias, self._draft_scale = 0.0, 1.0
 
     def _hat(self, tokens) -> tuple[int, float]:
         """The knot segment i holding `tokens` (the first or last past either end) and the weight
@@ -169,8 +171,11 @@ class StepCostModel:
         drafts), how many drafts it verified; None for a step that also prefills. Decode steps
         also update `draft_bias`."""
         if drafts is not None and not anchor and seconds > 0 and self.num_samples:
-            r = self._residual
-            r[drafts > 0] += self.bias_rate * (math.log(seconds / self.predict(tokens, seqs, context)) - r[drafts > 0])
+            self._residuals[drafts > 0].append(math.log(seconds / self.predict(tokens, seqs, context)))
+            plain, drafting = self._residuals[False], self._residuals[True]
+            if drafts and len(drafting) >= 4 and plain:
+                self._draft_bias = min(0.5, max(-0.5, statistics.median(drafting) - statistics.median(plain)))
+                self._draft_scale = math.exp(self._draft_bias)
         self._fit.add(self.features(tokens, seqs, context), seconds, anchor)
 
     @property
@@ -185,14 +190,17 @@ class StepCostModel:
         fixed more than per token there (a second attention call once drafts would pad the
         one-token sequences, see model_runner.SPLIT_PAD_ROWS; at 8 requests one draft leaves
         the 4-bit kernel), which a per-token curve fitted mostly to plain steps and prefill
-        chunks cannot show. Every drafting step, the policy's probes included, updates it."""
-        return min(0.5, max(-0.5, self._residual[True] - self._residual[False]))
+        chunks cannot show. Medians of the last 32 of each kind, taken at each drafting step (the
+        policy's probes included), from its fourth on: a recency-weighted mean (weight 0.2) swung
+        from -0.16 to +0.13 between two runs at one request, this machine's slow spells landing
+        on one kind of step or the other."""
+        return self._draft_bias
 
     def predict(self, tokens, seqs, context, drafting: bool = False):
         """Seconds; `tokens` and `context` may be numpy arrays. Plain numbers take a plain Python
         path: the policy prices its candidate steps one at a time (see SpecPolicy.plan).
         `drafting`: the step verifies drafts, so `draft_bias` applies."""
-        scale = math.exp(self.draft_bias) if drafting else 1.0
+        scale = self._draft_scale if drafting else 1.0
         if isinstance(tokens, (int, float)):
             coef = self._fit.fit()
             i, w = self._hat(tokens)
