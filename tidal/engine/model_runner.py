@@ -22,7 +22,7 @@ SHORT_QUERY_LEN = 16
 # would reach this many query rows; below it a second call's fixed cost wins. Attention alone, 30
 # layers of the bundled model's shapes, two threads (throwaway timing, 2026-12-04): 32 sequences
 # with one K=4 draft 48 ms in one call, 30 ms in two, 27 ms without the draft; 2 sequences with
-# one K=2 draft 3.6 ms in one, 5.1 ms in two.
+# one K=2 draft 3.4-3.9 ms in one, 4.6-5.1 ms in two.
 SPLIT_PAD_ROWS = 8
 
 
