@@ -191,8 +191,9 @@ class LLMEngine:
         results, features = self.runner.execute(out.scheduled)  # ends in a device sync (.tolist())
         stats.seconds = time.perf_counter() - start
         context = sum(s.seq.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
+        # the draft bias needs a prediction per step (and so the fit's refits): not without a policy
         self.step_cost.observe(stats.num_tokens, stats.num_seqs, context, stats.seconds, anchor=self._profiling,
-                               drafts=out.decode_drafts)
+                               drafts=out.decode_drafts if self.policy is not None else None)
         if self.step_log is not None:
             self.step_log.step(stats.num_tokens, stats.num_seqs, context, stats.seconds, self._profiling)
         self.last_step_stats = stats

@@ -186,7 +186,7 @@ class StepCostModel:
         bundled model, drafting steps measured 1.05x of their prediction while plain ones
         measured 0.96x (median, two threads, throwaway per-step log, 2026-12-04), so drafts
         looked 10% cheaper than they were, about the whole gain the policy saw in them, and the
-        policy drafted there and lost 3-5% to plain decoding. A drafting step's extra cost is
+        policy drafted there and lost 3-7% to plain decoding. A drafting step's extra cost is
         fixed more than per token there (a second attention call once drafts would pad the
         one-token sequences, see model_runner.SPLIT_PAD_ROWS; at 8 requests one draft leaves
         the 4-bit kernel), which a per-token curve fitted mostly to plain steps and prefill
