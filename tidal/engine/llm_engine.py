@@ -257,9 +257,10 @@ class LLMEngine:
         most = self.policy.most(len(seqs))  # 0 (a schedule's): no lookup, K = 0 costs the drafter nothing
         caps = self.drafter.available(seqs, most) if most else [0] * len(seqs)
         views = [s.spec_view(cap, self.drafter.catch_up(s)) for s, cap in zip(seqs, caps)]
-        ks = self.policy.choose(views, load.tokens, load.seqs, load.context, self.step_cost.pricing(load.tokens),
+        verify_cost = self.step_cost.pricing(load.tokens)
+        ks = self.policy.choose(views, load.tokens, load.seqs, load.context, verify_cost,
                                 self.draft_cost.predict, load.draft_budget)
-        self._predicted = self.step_cost.predict(load.tokens + sum(ks), load.seqs, load.context + sum(ks), any(ks))
+        self._predicted = verify_cost(load.tokens + sum(ks), load.seqs, load.context + sum(ks))
         return ks
 
     def _make_policy(self) -> SpecPolicy:
