@@ -31,8 +31,8 @@ def test_adaptive_is_lossless_and_reports_its_choices(tiny_model_dir):
     outs, steps = run(eng, ps)
     assert outs == plain
     assert sum(eng.k_histogram.values()) > 0 and set(eng.k_histogram) <= set(range(5))
-    predicted = [(s.predicted_seconds, s.seconds) for s in steps if s.predicted_seconds is not None]
-    assert len(predicted) > 5 and all(p > 0 for p, _ in predicted)
+    # every step is priced as it runs, prefill and arrivals included (the first one too)
+    assert all(s.predicted_seconds is not None and s.predicted_seconds > 0 for s in steps)
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 

@@ -52,7 +52,7 @@ class StepStats:
     num_tokens: int = 0  # fed to the target, drafts included
     num_seqs: int = 0
     seconds: float = 0.0  # measured target forward, verification and sampling
-    predicted_seconds: float | None = None  # the cost model's forecast, made when drafts were chosen
+    predicted_seconds: float | None = None  # the cost model's forecast of this step as scheduled (with a policy)
     draft_seconds: float = 0.0  # the drafter's proposal at the end of this step
     chosen_k: list[int] = field(default_factory=list)  # draft lengths for the next step, per decoding request
     spec: SpecStats = field(default_factory=SpecStats)  # the verifications of this step
@@ -125,7 +125,6 @@ class LLMEngine:
         self.k_histogram: dict[int, int] = {}  # how often each draft length was chosen, all steps
         self.policy = self._make_policy() if self.drafter is not None else None
         self._profiling = False
-        self._predicted: float | None = None  # the step time the policy expected for the next step
         if self.policy is not None and self.policy.mode == "adaptive":
             self.profile()
 
@@ -184,13 +183,14 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        stats = StepStats(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled),
-                          predicted_seconds=self._predicted)
-        self._predicted = None
+        stats = StepStats(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))
+        context = sum(s.seq.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
+        if self.policy is not None:  # the step as it runs, arrivals included (the policy chose before them)
+            base = stats.num_tokens - sum(s.num_draft_tokens for s in out.scheduled)
+            stats.predicted_seconds = self.step_cost.pricing(base)(stats.num_tokens, stats.num_seqs, context)
         start = time.perf_counter()
         results, features = self.runner.execute(out.scheduled)  # ends in a device sync (.tolist())
         stats.seconds = time.perf_counter() - start
-        context = sum(s.seq.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
         # the draft bias needs a prediction per step (and so the fit's refits): not without a policy
         self.step_cost.observe(stats.num_tokens, stats.num_seqs, context, stats.seconds, anchor=self._profiling,
                                drafts=out.decode_drafts if self.policy is not None else None)
@@ -257,11 +257,8 @@ class LLMEngine:
         most = self.policy.most(len(seqs))  # 0 (a schedule's): no lookup, K = 0 costs the drafter nothing
         caps = self.drafter.available(seqs, most) if most else [0] * len(seqs)
         views = [s.spec_view(cap, self.drafter.catch_up(s)) for s, cap in zip(seqs, caps)]
-        verify_cost = self.step_cost.pricing(load.tokens)
-        ks = self.policy.choose(views, load.tokens, load.seqs, load.context, verify_cost,
-                                self.draft_cost.predict, load.draft_budget)
-        self._predicted = verify_cost(load.tokens + sum(ks), load.seqs, load.context + sum(ks))
-        return ks
+        return self.policy.choose(views, load.tokens, load.seqs, load.context, self.step_cost.pricing(load.tokens),
+                                  self.draft_cost.predict, load.draft_budget)
 
     def _make_policy(self) -> SpecPolicy:
         spec = self.config.spec
