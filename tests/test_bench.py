@@ -215,6 +215,17 @@ def _sweep(ratios: dict[int, float]) -> list[BenchRecord]:
     return [rec for c, x in ratios.items() for rec in (_record("off", c, 100.0), _record("adaptive", c, 100.0 * x))]
 
 
+def test_journal_finds_the_previous_run_of_the_same_targets_measured_in_another_order(tmp_path):
+    journal = tmp_path / "results.md"
+    report.update_journal(journal, _sweep({1: 1.5}), when="2026-12-01 10:00:00 UTC", command="A", config={})
+    rotated = list(reversed(_sweep({1: 1.2})))  # adaptive measured first at this level
+    changed = report.update_journal(journal, rotated, when="2026-12-02 10:00:00 UTC", command="B", config={},
+                                    order=["off", "adaptive"])
+    assert changed.startswith("versus 2026-12-01 10:00:00 UTC: off, adaptive:") and "C=1 1.50x->1.20x" in changed
+    changed = report.update_journal(journal, _sweep({1: 1.0}), when="2026-12-03 10:00:00 UTC", command="C", config={})
+    assert changed.startswith("versus 2026-12-02 10:00:00 UTC") and "C=1 1.20x->1.00x" in changed
+
+
 def test_table_json_csv_and_plot(tmp_path):
     records = _sweep({1: 1.5, 4: 1.2, 16: 0.9})
     records.append(_record("fixed:4", 1, 0.0, errors=8, error="HTTP 500: boom"))

@@ -185,7 +185,8 @@ def update_journal(path: str | os.PathLike, records: list[BenchRecord], *, when:
     path = Path(path)
     order = order or target_order(records)
     sections = _split_sections(path.read_text()) if path.exists() else []
-    prev = next((s for s in sections if target_order(_section_records(s)) == order), None)
+    # the same targets, in whatever order they were measured (the servers take turns, rotating who goes first)
+    prev = next((s for s in sections if set(target_order(_section_records(s))) == set(order)), None)
     changed = (f"versus {_section_title(prev)}: {what_changed(_section_records(prev), records, order)}"
                if prev else f"first run with targets {', '.join(order)}")
     anchor = "run-" + re.sub(r"[^0-9A-Za-z]+", "-", when).strip("-").lower()
