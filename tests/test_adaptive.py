@@ -36,6 +36,23 @@ def test_adaptive_is_lossless_and_reports_its_choices(tiny_model_dir):
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 
+def test_step_log_has_each_steps_drafts_and_prediction(tiny_model_dir, tmp_path):
+    from tidal.engine.step_log import read_step_log
+
+    log = tmp_path / "steps.csv"
+    eng = LLM(str(tiny_model_dir), dtype="float32", spec=SpecConfig(method="ngram", num_speculative_tokens=4, mode="fixed"),
+              cache=CacheConfig(block_size=4, num_blocks=512), step_log=str(log)).engine
+    _, steps = run(eng, repetitive_prompts(4))
+    eng.step_log.close()
+    rows = [r for r in read_step_log(log)[2] if r["kind"] == "step"]
+    assert len(rows) == len(steps)
+    for r, s in zip(rows, steps):
+        assert float(r["predicted"]) == pytest.approx(s.predicted_seconds, rel=1e-3, abs=1e-6)
+        if r["drafts"]:  # a decode step: every sequence fed one token plus its drafts
+            assert int(r["tokens"]) == int(r["seqs"]) + int(r["drafts"]) and int(r["drafts"]) == s.spec.num_drafted
+    assert any(r["drafts"] and int(r["drafts"]) > 0 for r in rows) and any(not r["drafts"] for r in rows)
+
+
 def test_policy_zero_skips_the_drafter(tiny_model_dir, monkeypatch):
     """A step where the policy gives every request 0 drafts makes no drafter call at all."""
     eng = engine(tiny_model_dir, mode="schedule", schedule="1-2:3,3-:0")

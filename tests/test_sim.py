@@ -259,7 +259,8 @@ def test_step_logs_pooled_less_the_rows_written_in_a_window(tmp_path):
         for t in (1, 2, 4, 8):
             log.step(t, 1, 64, seconds)
         log.close()
-    times = [float(line.rsplit(",", 1)[1]) for line in slow.read_text().splitlines()[2:]]
+    from tidal.engine.step_log import read_step_log
+    times = [float(r["time"]) for r in read_step_log(slow)[2]]
     pooled = MeasuredModel.load([slow, fast])
     assert pooled.step_cost.num_samples == 8
     assert 0.01 < pooled.step_time(StepShape(2, 1, 64)) < 0.05

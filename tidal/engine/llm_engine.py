@@ -195,7 +195,8 @@ class LLMEngine:
         self.step_cost.observe(stats.num_tokens, stats.num_seqs, context, stats.seconds, anchor=self._profiling,
                                drafts=out.decode_drafts if self.policy is not None else None)
         if self.step_log is not None:
-            self.step_log.step(stats.num_tokens, stats.num_seqs, context, stats.seconds, self._profiling)
+            self.step_log.step(stats.num_tokens, stats.num_seqs, context, stats.seconds, self._profiling,
+                               out.decode_drafts if self.policy is not None else None, stats.predicted_seconds)
         self.last_step_stats = stats
         gained = iter(results)
         outputs, decoding = [], []

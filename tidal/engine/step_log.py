@@ -1,8 +1,10 @@
 """The step-time log: every measured target step and draft proposal as one CSV row.
 
-Columns: kind, tokens, seqs, context, forwards, catch_up, seconds, time. A step row (kind
-"step", or "profile" during the start-up profile) is what StepCostModel fits: tokens fed, running
-sequences, KV tokens held, seconds of the target forward with verification and sampling. A draft
+Columns: kind, tokens, seqs, context, forwards, catch_up, seconds, time, drafts, predicted. A step
+row (kind "step", or "profile" during the start-up profile) is what StepCostModel fits: tokens fed,
+running sequences, KV tokens held, seconds of the target forward with verification and sampling;
+`drafts`, for a decode step (no prefill), how many drafts it verified, and `predicted`, the cost
+model's forecast of it (both empty where the engine has no speculation policy). A draft
 row (kind "draft", or "profile-draft") is what DraftCostModel fits: head forwards in the chain,
 draft tokens, catch-up positions, seconds. `time` is when the row was written, right after the
 step or proposal (Unix seconds), so rows can be matched to the load a benchmark ran at that moment
@@ -17,7 +19,7 @@ import csv
 import time
 from pathlib import Path
 
-COLUMNS = ("kind", "tokens", "seqs", "context", "forwards", "catch_up", "seconds", "time")
+COLUMNS = ("kind", "tokens", "seqs", "context", "forwards", "catch_up", "seconds", "time", "drafts", "predicted")
 KNOTS_PREFIX = "# knots="
 
 
@@ -47,13 +49,15 @@ class StepLog:
             self._file.write(KNOTS_PREFIX + ",".join(map(str, knots)) + "\n")
             self._writer.writerow(COLUMNS)
 
-    def step(self, tokens: int, seqs: int, context: int, seconds: float, profile: bool = False) -> None:
+    def step(self, tokens: int, seqs: int, context: int, seconds: float, profile: bool = False,
+             drafts: int | None = None, predicted: float | None = None) -> None:
         self._writer.writerow(("profile" if profile else "step", tokens, seqs, context, "", "", f"{seconds:.6f}",
-                               f"{time.time():.3f}"))
+                               f"{time.time():.3f}", "" if drafts is None else drafts,
+                               "" if predicted is None else f"{predicted:.6f}"))
 
     def draft(self, forwards: int, tokens: int, catch_up: int, seconds: float, profile: bool = False) -> None:
         self._writer.writerow(("profile-draft" if profile else "draft", tokens, "", "", forwards, catch_up,
-                               f"{seconds:.6f}", f"{time.time():.3f}"))
+                               f"{seconds:.6f}", f"{time.time():.3f}", "", ""))
 
     def close(self) -> None:
         self._file.close()
