@@ -192,11 +192,12 @@ class LLMEngine:
         results, features = self.runner.execute(out.scheduled)  # ends in a device sync (.tolist())
         stats.seconds = time.perf_counter() - start
         # the draft bias needs a prediction per step (and so the fit's refits): not without a policy
+        drafts = out.decode_drafts if self.policy is not None else None
         self.step_cost.observe(stats.num_tokens, stats.num_seqs, context, stats.seconds, anchor=self._profiling,
-                               drafts=out.decode_drafts if self.policy is not None else None)
+                               drafts=drafts)
         if self.step_log is not None:
-            self.step_log.step(stats.num_tokens, stats.num_seqs, context, stats.seconds, self._profiling,
-                               out.decode_drafts if self.policy is not None else None, stats.predicted_seconds)
+            self.step_log.step(stats.num_tokens, stats.num_seqs, context, stats.seconds, self._profiling, drafts,
+                               stats.predicted_seconds)
         self.last_step_stats = stats
         gained = iter(results)
         outputs, decoding = [], []
