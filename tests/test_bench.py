@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from prometheus_client import generate_latest
 from tidal.bench import report
 from tidal.bench.datasets import random_prompts, sharegpt_prompts
 from tidal.bench.launch import serve_args
-from tidal.bench.records import BenchRecord, latency_summary
+from tidal.bench.records import BenchRecord, latency_summary, round_ratios_to_first
 from tidal.bench.scrape import parse_spec_counters
 from tidal.bench.sweep import SweepConfig, Target, sweep
 from tidal.server.metrics import ServerMetrics
@@ -114,7 +115,30 @@ def test_repeats_are_passes_over_the_sweep_alternating_targets_and_pooling_round
         assert len(r.windows) == 2 and all(_close(b - a, (2 // c) * e2e, 0.1) for a, b in r.windows)
         assert r.windows[0][1] <= r.windows[1][0]  # in order, none overlapping
         assert _close(r.output_tok_s, out * c / e2e, 0.1)
+        assert len(r.round_tok_s) == 2 and all(_close(x, out * c / e2e, 0.1) for x in r.round_tok_s)
         assert r.acceptance_length == pytest.approx(2.5)  # the counters' deltas summed over rounds
+    table = report.format_table(records, ["a", "b"])
+    assert table.splitlines()[0].startswith("| concurrency | target | requests | tok/s | vs a | rounds vs a: median (range) |")
+    for row in table.splitlines()[2:]:
+        cells = [x.strip() for x in row.strip("|").split("|")]
+        if cells[1] == "a":
+            assert cells[5] == "-"  # the baseline
+        else:  # the same fake server: each round's ratio near 1
+            median, lo, hi = map(float, re.fullmatch(r"(\d\.\d\d)x \((\d\.\d\d)-(\d\.\d\d)\)", cells[5]).groups())
+            assert lo <= median <= hi and 0.8 < lo and hi < 1.25, row
+
+
+def test_round_ratios_pair_each_round_with_the_baselines_same_round():
+    """A slow spell in one round lands on both sides of that round's ratio: per-round ratios
+    see through it where the pooled ratio does not."""
+    a = _record("a", 4, 100.0)
+    b = _record("b", 4, 100.0)
+    a.round_tok_s, b.round_tok_s = [100.0, 100.0, 50.0], [110.0, 110.0, 55.0]  # round 3: the machine at half speed
+    assert round_ratios_to_first([a, b]) == {("a", 4, None): [1.0, 1.0, 1.0],
+                                                          ("b", 4, None): pytest.approx([1.1, 1.1, 1.1])}
+    assert "| 4 | b | 8/8 |" in report.format_table([a, b]) and "1.10x (1.10-1.10)" in report.format_table([a, b])
+    c = _record("c", 4, 100.0)  # a target without rounds (a simulated record): no ratios
+    assert round_ratios_to_first([a, c])[("c", 4, None)] == []
 
 
 def test_a_level_given_twice_pools_each_occurrence_on_its_own(fake):

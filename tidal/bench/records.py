@@ -34,7 +34,8 @@ class BenchRecord:
     message. `acceptance_length` (1 + accepted / drafts: tokens per verify step that drafted),
     `acceptance_rate` (accepted / drafted tokens) and `mean_chosen_k` come from the server's
     speculative-decoding metrics over the level, None where it exports none. `windows`: when
-    each of its rounds ran, [start, end] in Unix seconds (to match a server's step log to it).
+    each of its rounds ran, [start, end] in Unix seconds (to match a server's step log to it);
+    `round_tok_s`: each round's own output tok/s, in the same order.
     """
 
     target: str
@@ -56,6 +57,7 @@ class BenchRecord:
     acceptance_rate: float | None = None
     mean_chosen_k: float | None = None
     windows: list = field(default_factory=list)
+    round_tok_s: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,4 +90,19 @@ def ratio_to_first(records: list[BenchRecord], order: list[str] | None = None) -
         base = by.get((order[0], c, rate))
         ok = base is not None and base.output_tok_s > 0 and r.output_tok_s > 0
         out[name, c, rate] = r.output_tok_s / base.output_tok_s if ok else None
+    return out
+
+
+def round_ratios_to_first(records: list[BenchRecord], order: list[str] | None = None) -> dict:
+    """{(target, concurrency, rate): [each round's output tok/s over the first target's in the
+    same round]}: the targets take turns within a round, so a slow spell of the machine lands on
+    both sides of a ratio, where the pooled ratio lets it land on one. Rounds are paired in
+    order; a level where either side has none gets []."""
+    order = order or target_order(records)
+    by = {(r.target, r.concurrency, r.request_rate): r for r in records}
+    out = {}
+    for (name, c, rate), r in by.items():
+        base = by.get((order[0], c, rate))
+        pairs = zip(r.round_tok_s, base.round_tok_s) if base is not None else ()
+        out[name, c, rate] = [x / b for x, b in pairs if b > 0]
     return out

@@ -8,15 +8,23 @@ import json
 import math
 import os
 import re
+import statistics
 from pathlib import Path
 
-from tidal.bench.records import BenchRecord, levels, ratio_to_first, target_order
+from tidal.bench.records import BenchRecord, levels, ratio_to_first, round_ratios_to_first, target_order
 
 LATENCY_FIELDS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 
 def _num(x: float | None, fmt: str = ".1f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _spread(ratios: list[float]) -> str:
+    """'1.02x (0.95-1.09)': the median of per-round ratios and their range."""
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def _level_name(c: int, rate: float | None) -> str:
@@ -28,14 +36,18 @@ def _level_name(c: int, rate: float | None) -> str:
 
 def format_table(records: list[BenchRecord], order: list[str] | None = None) -> str:
     """A Markdown table, one row per level and target (targets in `order`, default: first
-    appearance), with output tok/s and its ratio to the first target, p50 latencies in ms,
-    speculation figures and errors; the first error message of each failing row below it."""
+    appearance), with output tok/s and its ratio to the first target (pooled over the rounds,
+    and where there are several, the median, least and most of the rounds' own ratios), p50
+    latencies in ms, speculation figures and errors; the first error message of each failing
+    row below it."""
     order = order or target_order(records)
     ratios = ratio_to_first(records, order)
+    rounds = round_ratios_to_first(records, order) if any(len(r.round_tok_s) > 1 for r in records) else None
     by = {(r.target, r.concurrency, r.request_rate): r for r in records}
     open_loop = any(r.request_rate is not None for r in records)
     head = ["concurrency", *(["rate req/s"] if open_loop else []), "target", "requests", "tok/s",
-            f"vs {order[0]}" if order else "vs first", "req/s", "TTFT p50", "TTFT p99", "TPOT p50",
+            f"vs {order[0]}" if order else "vs first",
+            *([f"rounds vs {order[0]}: median (range)"] if rounds is not None else []), "req/s", "TTFT p50", "TTFT p99", "TPOT p50",
             "ITL p50", "e2e p50", "accept len", "mean K", "errors"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes = []
@@ -46,7 +58,9 @@ def format_table(records: list[BenchRecord], order: list[str] | None = None) -> 
                 continue
             ratio = ratios.get((name, c, rate))
             cells = [str(c), *([_num(rate, "g")] if open_loop else []), name, f"{r.completed}/{r.num_requests}",
-                     _num(r.output_tok_s), "-" if ratio is None else f"{ratio:.2f}x", _num(r.requests_per_s, ".2f"),
+                     _num(r.output_tok_s), "-" if ratio is None else f"{ratio:.2f}x",
+                     *([_spread(rounds[name, c, rate]) if name != order[0] else "-"] if rounds is not None else []),
+                     _num(r.requests_per_s, ".2f"),
                      _num(r.ttft_ms["p50"]), _num(r.ttft_ms["p99"]), _num(r.tpot_ms["p50"]), _num(r.itl_ms["p50"]),
                      _num(r.e2e_ms["p50"]), _num(r.acceptance_length, ".2f"), _num(r.mean_chosen_k, ".2f"),
                      str(r.errors)]
@@ -74,7 +88,8 @@ def read_json(path: str | os.PathLike) -> tuple[dict, list[BenchRecord]]:
 def flat_record(r: BenchRecord) -> dict:
     """The record with each latency dict spread into columns like `ttft_ms_p50`."""
     d = r.to_dict()
-    d.pop("windows")  # Unix times per round: in the JSON only
+    d.pop("windows")  # per round: in the JSON only
+    d.pop("round_tok_s")
     for name in LATENCY_FIELDS:
         for k, v in d.pop(name).items():
             d[f"{name}_{k}"] = v

@@ -211,4 +211,5 @@ def summarize(name: str, concurrency: int, rate: float | None, runs: list[Run]) 
         acceptance_length=spec.acceptance_length if spec else None,
         acceptance_rate=spec.acceptance_rate if spec else None,
         mean_chosen_k=spec.mean_chosen_k if spec else None,
-        windows=[list(run.window) for run in runs])
+        windows=[list(run.window) for run in runs],
+        round_tok_s=[sum(r.output_tokens for r in run.results if r.ok) / max(run.duration_s, 1e-9) for run in runs])
