@@ -184,29 +184,14 @@ def test_fixed_and_schedule_modes():
             parse_schedule(bad)
 
 
-def test_acceptance_prior_tracks_the_finished_requests():
+def test_acceptance_prior_tracks_what_the_engine_records():
     policy = SpecPolicy("adaptive", 3, initial_acceptance=0.5)
-    for _ in range(50):
-        policy.record_request([20, 20, 20], [20, 20, 20])  # every draft accepted
+    for _ in range(200):
+        policy.record(3, 3)  # every draft accepted
     assert all(p > 0.95 for p in policy.prior)
-    for _ in range(50):
-        policy.record_request([20, 0, 0], [0, 0, 0])  # first draft rejected: positions 2 and 3 never reached
+    for _ in range(200):
+        policy.record(3, 0)  # first draft rejected: positions 2 and 3 never reached
     assert policy.prior[0] < 0.05 and policy.prior[1] > 0.9
-
-
-def test_one_request_that_drafts_often_counts_once_in_the_prior():
-    """The prior is what a new request should expect: a request that accepted 60 of 60 drafts
-    moves it as much as one that rejected 6 of 6, not ten times as much."""
-    policy = SpecPolicy("adaptive", 1, initial_acceptance=0.3)
-    for _ in range(20):
-        policy.record_request([6], [0])
-    low = policy.prior[0]
-    policy.record_request([60], [60])
-    policy.record_request([6], [0])
-    assert policy.prior[0] < 0.2 and low < 0.05
-    # a new request's drafts at 8 in a batch: not worth a step whose drafts cost 1/3 of a token each
-    cost = lambda t, s, c: 0.010 * s + 0.0033 * (t - s)  # noqa: E731
-    assert policy.choose([RequestView(1, [], []) for _ in range(8)], 8, 8, 800, cost, no_draft_cost) == [0] * 8
 
 
 def test_step_cost_model_fits_a_piecewise_cost_and_extrapolates():

@@ -25,7 +25,6 @@ class SpecStats:
     counts of verifications that reached / accepted each position (what the policy reads)."""
 
     drafted_per_position: list[int] = field(default_factory=list)
-    reached_per_position: list[int] = field(default_factory=list)  # verified with every earlier draft accepted
     accepted_per_position: list[int] = field(default_factory=list)
     recent_reached: list[float] = field(default_factory=list)
     recent_accepted: list[float] = field(default_factory=list)
@@ -43,14 +42,12 @@ class SpecStats:
         for pos in range(num_drafted):
             if pos == len(self.drafted_per_position):
                 self.drafted_per_position.append(0)
-                self.reached_per_position.append(0)
                 self.accepted_per_position.append(0)
                 self.recent_reached.append(0.0)
                 self.recent_accepted.append(0.0)
             self.drafted_per_position[pos] += 1
             self.accepted_per_position[pos] += pos < num_accepted
             if pos <= num_accepted:  # a position after the first rejection was never tested
-                self.reached_per_position[pos] += 1
                 self.recent_reached[pos] = RECENT_DECAY * self.recent_reached[pos] + 1
                 self.recent_accepted[pos] = RECENT_DECAY * self.recent_accepted[pos] + (pos < num_accepted)
 

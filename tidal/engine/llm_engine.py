@@ -170,7 +170,7 @@ class LLMEngine:
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return False
-        self._finish(seq, "abort")
+        self.scheduler.finish(seq, "abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -209,6 +209,7 @@ class LLMEngine:
             tokens = next(gained) if s.samples else []
             if s.num_draft_tokens:  # accepted drafts already have their KV written
                 seq.spec.record(s.num_draft_tokens, len(tokens) - 1)
+                self.policy.record(s.num_draft_tokens, len(tokens) - 1)
                 stats.spec.record(s.num_draft_tokens, len(tokens) - 1)
                 seq.num_computed_tokens += len(tokens) - 1
                 seq.draft_token_ids, seq.draft_probs = [], None
@@ -307,14 +308,8 @@ class LLMEngine:
                 seq.output_text, reason = seq.output_text[:at], "stop"
                 break
         if reason is not None:
-            self._finish(seq, reason)
+            self.scheduler.finish(seq, reason)
             del self._requests[seq.request_id]
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        """Release a finished request; what its drafts did feeds the policy's acceptance prior."""
-        self.scheduler.finish(seq, reason)
-        if self.policy is not None and seq.spec.reached_per_position:
-            self.policy.record_request(seq.spec.reached_per_position, seq.spec.accepted_per_position)
 
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:

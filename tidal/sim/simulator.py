@@ -254,6 +254,7 @@ class Simulator:
             accepted = self.acceptance.sample(s.num_draft_tokens, self.rng) if s.num_draft_tokens else 0
             if s.num_draft_tokens:  # accepted drafts already have their KV written
                 seq.spec.record(s.num_draft_tokens, accepted)
+                self.policy.record(s.num_draft_tokens, accepted)
                 self._run.num_verifications += 1
                 self._run.num_drafted += s.num_draft_tokens
                 self._run.num_accepted += accepted
@@ -273,8 +274,6 @@ class Simulator:
             trace.chunks.append((self.clock, n))
         if len(seq.output_token_ids) >= seq.params.max_tokens:
             self.scheduler.finish(seq, "length")
-            if self.policy is not None and seq.spec.reached_per_position:  # as LLMEngine._finish
-                self.policy.record_request(seq.spec.reached_per_position, seq.spec.accepted_per_position)
             if trace is not None:
                 self._send()
 

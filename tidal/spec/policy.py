@@ -7,8 +7,7 @@ Adaptive mode maximises the step's goodput, expected emitted tokens per second o
 
 where E_i(k) = 1 + sum_{j<=k} prod_{l<=j} a_il, a_il being request i's acceptance of draft
 position l given the ones before it were accepted: its own recent counts smoothed towards the
-engine-wide per-position rate of recently finished requests, each counted once (the prior a new
-request starts from; see SpecPolicy.record_request), and `prefill` is what the
+engine-wide per-position rate (the prior a new request starts from), and `prefill` is what the
 step's prefill tokens add to it, verify(tokens) - verify(decoding requests): prefill emits
 nothing now but is work owed anyway, so a draft is judged by what it adds against the rate of
 plain decoding, not against a step that looks slow because it also prefills (counting that time
@@ -161,7 +160,7 @@ class SpecPolicy:
     """Chooses draft lengths per request each step: fixed K, a batch-size schedule, or adaptive."""
 
     def __init__(self, mode: str, max_k: int, schedule: str | None = None, margin: float = 0.03, min_gain: float = 0.05,
-                 prior_weight: float = 2.0, decay: float = 0.9, initial_acceptance: float = 0.5,
+                 prior_weight: float = 2.0, decay: float = 0.98, initial_acceptance: float = 0.5,
                  probe_every: int = 16, probe_share: float = 0.01, plain_every: int = 64, optimism: float = 0.2):
         if mode not in MODES:
             raise ValueError(f"speculation mode {mode!r} is not one of {', '.join(MODES)}")
@@ -170,8 +169,7 @@ class SpecPolicy:
         self.schedule = parse_schedule(schedule) if schedule else []
         if mode == "schedule" and not self.schedule:
             raise ValueError("schedule mode needs a schedule")
-        # the prior of every request, per draft position: a recency-weighted mean over finished
-        # requests, each counted once (`decay` a request), starting from one of `initial_acceptance`
+        # engine-wide recency-weighted counts per draft position: the prior of every request
         self._reached = [1.0] * max_k
         self._accepted = [initial_acceptance] * max_k
         self.probe_every, self.probe_share, self.plain_every = probe_every, probe_share, plain_every
@@ -183,20 +181,11 @@ class SpecPolicy:
     def prior(self) -> list[float]:
         return [a / r for a, r in zip(self._accepted, self._reached)]
 
-    def record_request(self, reached: list[int], accepted: list[int]) -> None:
-        """A finished request's verifications: how many reached and accepted each draft position.
-        It counts once, however often it drafted, shrunk towards the prior when it drafted little
-        (weight n / (n + prior_weight) at a position reached n times: one probe weighs 1/3).
-        Counted per verification instead, the prior was set by whoever drafted most, and the
-        policy gives the most drafts to the requests that accept most: one request accepting
-        draft after draft at 32 requests raised every other's prior until all of them drafted at
-        once and caught up their whole backlogs, which lost to plain decoding (`tidal bench
-        --launch`, step logs, 2026-12-04)."""
-        for l, (n, a) in enumerate(zip(reached[:self.max_k], accepted)):
-            if n:
-                w = n / (n + self.prior_weight)
-                self._reached[l] = self.decay * self._reached[l] + w
-                self._accepted[l] = self.decay * self._accepted[l] + w * a / n
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        """One verification anywhere in the engine: positions 1..num_accepted + 1 were reached."""
+        for l in range(min(num_drafted, num_accepted + 1)):
+            self._reached[l] = self.decay * self._reached[l] + 1
+            self._accepted[l] = self.decay * self._accepted[l] + (l < num_accepted)
 
     def most(self, num_requests: int) -> int:
         """The most drafts any of `num_requests` decoding requests can get this step, known
