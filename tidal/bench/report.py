@@ -47,8 +47,8 @@ def format_table(records: list[BenchRecord], order: list[str] | None = None) -> 
     open_loop = any(r.request_rate is not None for r in records)
     head = ["concurrency", *(["rate req/s"] if open_loop else []), "target", "requests", "tok/s",
             f"vs {order[0]}" if order else "vs first",
-            *([f"rounds vs {order[0]}: median (range)"] if rounds is not None else []), "req/s", "TTFT p50", "TTFT p99", "TPOT p50",
-            "ITL p50", "e2e p50", "accept len", "mean K", "errors"]
+            *([f"rounds vs {order[0]}: median (range)"] if rounds is not None else []),
+            "req/s", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p50", "e2e p50", "accept len", "mean K", "errors"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes = []
     for c, rate in levels(records):
