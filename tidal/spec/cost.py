@@ -1,7 +1,7 @@
 """Step-time models fitted online from the engine's own measured steps. Plain numbers only.
 
 Target step (prefill chunks, decode tokens and draft tokens to verify, one forward):
-    time = f(tokens) + c * sequences + d * context tokens,  c, d >= 0
+    time = f(tokens) + c * sequences + d * context tokens + g * sequences verifying drafts,  c, d, g >= 0
 where f is piecewise linear over knots in the token count. A straight line in tokens would miss
 what matters on real hardware: a step is nearly flat while weights dominate (memory bound) and
 grows once compute does, and a kernel switch makes a jump (tidal's CPU int4 path ends at
@@ -10,8 +10,15 @@ INT4_MAX_TOKENS = 8 tokens, so the engine adds knots at 8 and 9, and at 5 where 
 Draft phase (one proposal for the batch):
     time = e0 + e1 * head forwards + e2 * draft tokens + e3 * catch-up tokens,  all e >= 0
 
-A step verifying drafts is also priced with `draft_bias`, the measured bias of such steps against
-plain decode steps (see StepCostModel.draft_bias).
+A sequence verifying drafts costs more than its extra tokens: it attends with several queries
+(a causal mask), and once drafts would pad the one-token sequences those get an attention call of
+their own (model_runner.SPLIT_PAD_ROWS). Without the g term the fit had one token curve for every
+kind of token: in a server at 32 requests (`tidal bench --launch`, step log, 2026-12-04) steps with
+16 requests verifying one draft each were predicted at 63-69 ms and took 71-89 ms (plain 55 ms),
+and a fit of the whole run's steps in hindsight still said 65-66 ms. The start-up profile (batch
+sizes 1-64 at K = 0, 2, 4) measures g from the start. A step verifying drafts is also priced with
+`draft_bias`, what is left of the bias of such steps against plain decode steps (see
+StepCostModel.draft_bias).
 
 Both are least squares of the relative error over a window of recent steps plus the start-up
 profile (kept as anchors where the live load has no samples), with a small smoothness penalty on f
@@ -141,11 +148,11 @@ class StepCostModel:
         self._knots = np.array(self.knots, dtype=float)
         n = len(self.knots)
         # second differences of f (per token, so knot spacing does not matter) should be small
-        D = np.zeros((max(0, n - 2), n + 2))
+        D = np.zeros((max(0, n - 2), n + 3))
         for i in range(n - 2):
             h0, h1 = self.knots[i + 1] - self.knots[i], self.knots[i + 2] - self.knots[i + 1]
             D[i, i], D[i, i + 1], D[i, i + 2] = 1 / h0, -(1 / h0 + 1 / h1), 1 / h1
-        self._fit = _LeastSquares(n + 2, window, smoothness * D.T @ D + 1e-9 * np.eye(n + 2), nonneg=(n, n + 1))
+        self._fit = _LeastSquares(n + 3, window, smoothness * D.T @ D + 1e-9 * np.eye(n + 3), nonneg=(n, n + 1, n + 2))
         # log(measured / predicted) of the last `bias_window` plain decode steps and steps verifying drafts
         self._residuals = {False: deque(maxlen=bias_window), True: deque(maxlen=bias_window)}
         self._draft_bias, self._draft_scale = 0.0, 1.0
@@ -157,26 +164,28 @@ class StepCostModel:
         i = min(max(bisect.bisect_right(k, tokens) - 1, 0), len(k) - 2)
         return i, (tokens - k[i]) / (k[i + 1] - k[i])
 
-    def features(self, tokens: int, seqs: int, context: int) -> np.ndarray:
-        """Hat-function weights of `tokens` on the knots (linear past either end), then seqs, context."""
-        x = np.zeros(len(self.knots) + 2)
+    def features(self, tokens: int, seqs: int, context: int, drafting: int = 0) -> np.ndarray:
+        """Hat-function weights of `tokens` on the knots (linear past either end), then seqs,
+        context, and the sequences verifying drafts."""
+        x = np.zeros(len(self.knots) + 3)
         i, w = self._hat(tokens)
         x[i], x[i + 1] = 1 - w, w
-        x[-2], x[-1] = seqs, context
+        x[-3], x[-2], x[-1] = seqs, context, drafting
         return x
 
     def observe(self, tokens: int, seqs: int, context: int, seconds: float, anchor: bool = False,
-                drafts: int | None = None) -> None:
-        """One measured step. `drafts`: for a decode step (every sequence fed one token plus its
-        drafts), how many drafts it verified; None for a step that also prefills. Decode steps
-        also update `draft_bias`."""
+                drafts: int | None = None, drafting: int = 0) -> None:
+        """One measured step, `drafting` of its sequences verifying drafts. `drafts`: for a
+        decode step (every sequence fed one token plus its drafts), how many drafts it verified;
+        None for a step that also prefills. Decode steps also update `draft_bias`."""
         if drafts is not None and not anchor and seconds > 0 and self.num_samples:
-            self._residuals[drafts > 0].append(math.log(seconds / self.predict(tokens, seqs, context)))
-            plain, drafting = self._residuals[False], self._residuals[True]
-            if drafts and len(drafting) >= 4 and plain:
-                self._draft_bias = min(0.5, max(-0.5, statistics.median(drafting) - statistics.median(plain)))
+            predicted = self.predict(tokens, seqs, context, drafting, biased=False)
+            self._residuals[drafts > 0].append(math.log(seconds / predicted))
+            plain, verifying = self._residuals[False], self._residuals[True]
+            if drafts and len(verifying) >= 4 and plain:
+                self._draft_bias = min(0.5, max(-0.5, statistics.median(verifying) - statistics.median(plain)))
                 self._draft_scale = math.exp(self._draft_bias)
-        self._fit.add(self.features(tokens, seqs, context), seconds, anchor)
+        self._fit.add(self.features(tokens, seqs, context, drafting), seconds, anchor)
 
     @property
     def draft_bias(self) -> float:
@@ -196,26 +205,29 @@ class StepCostModel:
         on one kind of step or the other."""
         return self._draft_bias
 
-    def predict(self, tokens, seqs, context, drafting: bool = False):
-        """Seconds; `tokens` and `context` may be numpy arrays. Plain numbers take a plain Python
-        path: the policy prices its candidate steps one at a time (see SpecPolicy.plan).
-        `drafting`: the step verifies drafts, so `draft_bias` applies."""
-        scale = self._draft_scale if drafting else 1.0
+    def predict(self, tokens, seqs, context, drafting=0, biased: bool = True):
+        """Seconds; `tokens`, `context` and `drafting` (sequences verifying drafts) may be numpy
+        arrays. Plain numbers take a plain Python path: the policy prices its candidate steps one
+        at a time (see SpecPolicy.plan). A step verifying drafts gets `draft_bias` if `biased`."""
         if isinstance(tokens, (int, float)):
+            scale = self._draft_scale if drafting and biased else 1.0
             coef = self._fit.fit()
             i, w = self._hat(tokens)
-            value = (1 - w) * coef[i] + w * coef[i + 1] + coef[-2] * seqs + coef[-1] * context
+            value = (1 - w) * coef[i] + w * coef[i + 1] + coef[-3] * seqs + coef[-2] * context + coef[-1] * drafting
             return scale * max(value, self._fit.floor)  # no step is faster than the fastest one measured
         coef, k = np.asarray(self._fit.fit()), self._knots
         i = np.clip(np.searchsorted(k, tokens, side="right") - 1, 0, len(k) - 2)
         w = (tokens - k[i]) / (k[i + 1] - k[i])
-        value = (1 - w) * coef[i] + w * coef[i + 1] + coef[-2] * seqs + coef[-1] * context
+        value = (1 - w) * coef[i] + w * coef[i + 1] + coef[-3] * seqs + coef[-2] * context + coef[-1] * drafting
+        scale = np.where(np.asarray(drafting) > 0, self._draft_scale, 1.0) if biased else 1.0
         return scale * np.maximum(value, self._fit.floor)  # no step is faster than the fastest one measured
 
     def pricing(self, base_tokens: int):
-        """The policy's verify cost for a step that feeds `base_tokens` before drafts: a step
-        with more tokens verifies drafts, so `draft_bias` applies to it."""
-        return lambda tokens, seqs, context: self.predict(tokens, seqs, context, tokens > base_tokens)
+        """The policy's verify cost for a step that feeds `base_tokens` before drafts. It
+        counts min(drafts, sequences) sequences verifying drafts: exact while no request has a
+        second draft before every request has a first, otherwise too many (a dearer step, never
+        a cheaper one); the policy prices totals, not who drafts."""
+        return lambda tokens, seqs, context: self.predict(tokens, seqs, context, min(max(0, tokens - base_tokens), seqs))
 
     @property
     def num_samples(self) -> int:
