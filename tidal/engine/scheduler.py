@@ -42,6 +42,11 @@ class SchedulerOutput:
             return sum(s.num_draft_tokens for s in self.scheduled)
         return None
 
+    @property
+    def verifying(self) -> int:
+        """Sequences that verify drafts in this step (StepCostModel's per-sequence term)."""
+        return sum(1 for s in self.scheduled if s.num_draft_tokens)
+
 
 class SpecLoad(NamedTuple):
     """The next step as the speculation policy sees it, before drafts."""

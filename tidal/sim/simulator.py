@@ -242,7 +242,7 @@ class Simulator:
         shape = step_shape(out.scheduled)
         seconds = self.step_model.step_time(shape)
         self.step_cost.observe(shape.tokens, shape.seqs, shape.context, seconds, anchor=self._profiling,
-                               drafts=out.decode_drafts, drafting=sum(1 for s in out.scheduled if s.num_draft_tokens))
+                               drafts=out.decode_drafts, drafting=out.verifying)
         self.clock += seconds
         self._run.num_steps += 1
         decoding = []

@@ -185,8 +185,8 @@ class SpecPolicy:
         """One verification anywhere in the engine: positions 1..num_accepted + 1 were reached.
         Counted per verification, the prior leans towards the requests that draft most, which
         are those that accept most. Two alternatives were measured against it (one process,
-        engines stepped in turn, 16 requests of 64 tokens a level, 2026-12-04) and not kept:
-        each finished request counted once (the mean of their own rates) erred the other way,
+        engines stepped in turn, at least 16 requests of 64 tokens a level, 2026-12-04) and not
+        kept: each finished request counted once (the mean of their own rates) erred the other way,
         since a request whose first drafts are rejected mostly stops drafting and keeps a rate
         near 0 (prior 0.19 at two requests against 0.42; mean K 0.08 against 0.54; 0.98x of
         plain decoding against 1.04x); each request's first 8 verifications only: 1.09x / 1.01x
