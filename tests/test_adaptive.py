@@ -50,6 +50,8 @@ def test_step_log_has_each_steps_drafts_and_prediction(tiny_model_dir, tmp_path)
         assert float(r["predicted"]) == pytest.approx(s.predicted_seconds, rel=1e-3, abs=1e-6)
         if r["drafts"]:  # a decode step: every sequence fed one token plus its drafts
             assert int(r["tokens"]) == int(r["seqs"]) + int(r["drafts"]) and int(r["drafts"]) == s.spec.num_drafted
+            # the sequences verifying them: at least one each when there are drafts, none without
+            assert min(1, int(r["drafts"])) <= int(r["verifying"]) <= min(int(r["drafts"]), int(r["seqs"]))
     assert any(r["drafts"] and int(r["drafts"]) > 0 for r in rows) and any(not r["drafts"] for r in rows)
 
 

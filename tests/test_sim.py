@@ -275,6 +275,24 @@ def test_step_logs_pooled_less_the_rows_written_in_a_window(tmp_path):
         StepLog(old, (1, 2))  # appending new rows under the old header would misalign them
 
 
+def test_measured_steps_price_the_sequences_verifying_drafts(tmp_path):
+    """A step log's `verifying` column reaches the step model's per-sequence drafting term, as in
+    the engine: 32 sequences, a step costs 20 ms + 0.1 ms a token + 0.5 ms a verifying sequence."""
+    from tidal.engine.step_log import StepLog
+    path = tmp_path / "steps.csv"
+    log = StepLog(path, (1, 2, 4, 8, 16, 32, 64))
+    for verifying in (0, 0, 4, 8, 16, 0, 32, 0):
+        for drafts in {verifying, 2 * verifying}:
+            tokens = 32 + drafts
+            log.step(tokens, 32, 2048, 0.020 + 1e-4 * tokens + 5e-4 * verifying, drafts=drafts, verifying=verifying)
+    log.close()
+    m = MeasuredModel.load(path)
+    assert m.step_time(StepShape(48, 32, 2048, verifying=16)) == pytest.approx(0.020 + 48e-4 + 8e-3, rel=0.03)
+    assert m.step_time(StepShape(48, 32, 2048, verifying=8)) == pytest.approx(0.020 + 48e-4 + 4e-3, rel=0.03)
+    old = MeasuredModel([(t, 32, 2048, x) for t, x in ((32, 0.0232), (64, 0.0264))])  # no fifth column: none
+    assert old.step_time(StepShape(64, 32, 2048, verifying=32)) == pytest.approx(0.0264, rel=0.03)
+
+
 def test_measured_steps_keep_their_total_time():
     """The fits weigh relative errors, which puts them under the mean of right-skewed times; the
     simulator sums step times, so the model gives the measured total back."""

@@ -1,10 +1,12 @@
 """The step-time log: every measured target step and draft proposal as one CSV row.
 
-Columns: kind, tokens, seqs, context, forwards, catch_up, seconds, time, drafts, predicted. A step
+Columns: kind, tokens, seqs, context, forwards, catch_up, seconds, time, drafts, predicted,
+verifying. A step
 row (kind "step", or "profile" during the start-up profile) is what StepCostModel fits: tokens fed,
 running sequences, KV tokens held, seconds of the target forward with verification and sampling;
-`drafts`, for a decode step (no prefill), how many drafts it verified, and `predicted`, the cost
-model's forecast of it (both empty where the engine has no speculation policy). A draft
+`drafts`, for a decode step (no prefill), how many drafts it verified, `predicted`, the cost
+model's forecast of it, and `verifying`, how many of its sequences verified drafts (the cost
+model's per-sequence drafting term; all three empty where the engine has no speculation policy). A draft
 row (kind "draft", or "profile-draft") is what DraftCostModel fits: head forwards in the chain,
 draft tokens, catch-up positions, seconds. `time` is when the row was written, right after the
 step or proposal (Unix seconds), so rows can be matched to the load a benchmark ran at that moment
@@ -19,7 +21,8 @@ import csv
 import time
 from pathlib import Path
 
-COLUMNS = ("kind", "tokens", "seqs", "context", "forwards", "catch_up", "seconds", "time", "drafts", "predicted")
+COLUMNS = ("kind", "tokens", "seqs", "context", "forwards", "catch_up", "seconds", "time", "drafts", "predicted",
+           "verifying")
 KNOTS_PREFIX = "# knots="
 
 
@@ -50,14 +53,14 @@ class StepLog:
             self._writer.writerow(COLUMNS)
 
     def step(self, tokens: int, seqs: int, context: int, seconds: float, profile: bool = False,
-             drafts: int | None = None, predicted: float | None = None) -> None:
+             drafts: int | None = None, predicted: float | None = None, verifying: int | None = None) -> None:
         self._writer.writerow(("profile" if profile else "step", tokens, seqs, context, "", "", f"{seconds:.6f}",
                                f"{time.time():.3f}", "" if drafts is None else drafts,
-                               "" if predicted is None else f"{predicted:.6f}"))
+                               "" if predicted is None else f"{predicted:.6f}", "" if verifying is None else verifying))
 
     def draft(self, forwards: int, tokens: int, catch_up: int, seconds: float, profile: bool = False) -> None:
         self._writer.writerow(("profile-draft" if profile else "draft", tokens, "", "", forwards, catch_up,
-                               f"{seconds:.6f}", f"{time.time():.3f}", "", ""))
+                               f"{seconds:.6f}", f"{time.time():.3f}", "", "", ""))
 
     def close(self) -> None:
         self._file.close()

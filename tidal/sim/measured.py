@@ -1,7 +1,8 @@
 """A step-time model from measured points, fitted with the engine's own cost models.
 
-The file is CSV with a header `tokens,seqs,context,seconds` (optional further rows may be draft
-points, see below), or JSON: {"steps": [[tokens, seqs, context, seconds], ...],
+The file is CSV with a header `tokens,seqs,context,seconds` (an optional `verifying` column:
+sequences verifying drafts in the step; optional further rows may be draft points, see below), or
+JSON: {"steps": [[tokens, seqs, context, seconds(, verifying)], ...],
 "drafts": [[forwards, tokens, catch_up, seconds], ...], "knots": [1, 2, 4, ...]} (knots: the
 token counts where the step time may bend, default StepCostModel's; the engine adds 5, 8 and 9
 on CPUs with the int4 kernel, and the simulated policy's cost model uses them too). A CSV row
@@ -32,9 +33,22 @@ def _total_ratio(predict, points) -> float:
     return float(columns[-1].sum()) / predicted if predicted > 0 else 1.0
 
 
-def _fitted(model, anchors, points):
-    """`model` (StepCostModel or DraftCostModel) fed the anchors, then the points: each
-    (three counts, seconds)."""
+def _step_points(points) -> list[tuple[int, int, int, int, float]]:
+    """(tokens, seqs, context, verifying, seconds) of step points given as (tokens, seqs, context,
+    seconds) or (tokens, seqs, context, seconds, verifying); verifying empty or absent: 0."""
+    return [(int(p[0]), int(p[1]), int(p[2]), int(p[4] or 0) if len(p) > 4 else 0, float(p[3])) for p in points]
+
+
+def _fitted_steps(model: StepCostModel, anchors, points) -> StepCostModel:
+    """`model` fed the anchors, then the points (see _step_points), as the engine feeds it."""
+    for rows, anchor in ((anchors, True), (points, False)):
+        for tokens, seqs, context, verifying, seconds in rows:
+            model.observe(tokens, seqs, context, seconds, anchor=anchor, drafting=verifying)
+    return model
+
+
+def _fitted_drafts(model: DraftCostModel, anchors, points) -> DraftCostModel:
+    """`model` fed the anchors, then the points: each (forwards, tokens, catch_up, seconds)."""
     for rows, anchor in ((anchors, True), (points, False)):
         for a, b, c, seconds in rows:
             model.observe(int(a), int(b), int(c), float(seconds), anchor=anchor)
@@ -44,10 +58,12 @@ def _fitted(model, anchors, points):
 class MeasuredModel:
     """Step and draft times predicted by StepCostModel / DraftCostModel fitted to the points."""
 
-    def __init__(self, steps: list[tuple[int, int, int, float]], drafts: list[tuple[int, int, int, float]] = (),
-                 knots=DEFAULT_KNOTS, profile_steps: list[tuple[int, int, int, float]] = (),
+    def __init__(self, steps: list[tuple], drafts: list[tuple[int, int, int, float]] = (),
+                 knots=DEFAULT_KNOTS, profile_steps: list[tuple] = (),
                  profile_drafts: list[tuple[int, int, int, float]] = ()):
-        """`profile_steps` / `profile_drafts`: an engine's start-up profile, fitted as the engine
+        """`steps` / `profile_steps`: (tokens, seqs, context, seconds) with an optional fifth,
+        the sequences verifying drafts (StepCostModel's term for them; 0 when absent or empty).
+        `profile_steps` / `profile_drafts`: an engine's start-up profile, fitted as the engine
         fits it: anchors that give the shape where the other points have none, rescaled to the
         other points' level (StepCostModel; the engine rescales by its last 256 live steps, this by
         all of them). On this 2-core VM a server's live steps ran 13-60% slower than its start-up
@@ -57,9 +73,10 @@ class MeasuredModel:
         if not steps and not profile_steps:
             raise ValueError("a measured profile needs at least one step point")
         self.knots = tuple(knots)
+        steps, profile_steps = _step_points(steps), _step_points(profile_steps)
         # the window must hold every point: these are the whole profile, not a recent slice
-        self.step_cost = _fitted(StepCostModel(knots, window=max(1, len(steps))), profile_steps, steps)
-        self.draft_cost = _fitted(DraftCostModel(window=max(1, len(drafts))), profile_drafts, drafts)
+        self.step_cost = _fitted_steps(StepCostModel(knots, window=max(1, len(steps))), profile_steps, steps)
+        self.draft_cost = _fitted_drafts(DraftCostModel(window=max(1, len(drafts))), profile_drafts, drafts)
         self.has_drafts = bool(drafts or profile_drafts)
         # The fits weigh relative errors (right for the policy, which compares steps), and so come
         # out below the mean of noisy, right-skewed step times; a simulated run's length is their
@@ -102,12 +119,14 @@ class MeasuredModel:
                 if kind.endswith("draft"):
                     points[kind].append((row["forwards"], row["tokens"], row["catch_up"], row["seconds"]))
                 else:
-                    points[kind].append((row["tokens"], row["seqs"], row["context"], row["seconds"]))
+                    points[kind].append((row["tokens"], row["seqs"], row["context"], row["seconds"],
+                                         row.get("verifying")))
         return cls(points["step"], points["draft"], knots, points["profile"], points["profile-draft"])
 
     def step_time(self, shape: StepShape) -> float:
-        """StepCostModel's prediction for the step's tokens, sequences and context, scaled."""
-        return self.step_scale * float(self.step_cost.predict(shape.tokens, shape.seqs, shape.context))
+        """StepCostModel's prediction for the step's tokens, sequences, context and sequences
+        verifying drafts, scaled."""
+        return self.step_scale * float(self.step_cost.predict(shape.tokens, shape.seqs, shape.context, shape.verifying))
 
     def draft_time(self, ks: list[int], catch_up: int) -> float:
         """DraftCostModel's prediction, scaled (0 when the profile has no draft points)."""

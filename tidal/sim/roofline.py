@@ -24,6 +24,7 @@ class StepShape:
     draft_tokens: int = 0
     logits: int = 0  # positions whose logits are needed (decode, drafts, last prefill chunk)
     attention_pairs: int = 0  # (query, key) pairs attention computes
+    verifying: int = 0  # sequences verifying drafts (the engine's cost feature for them)
 
 
 @dataclass(frozen=True)

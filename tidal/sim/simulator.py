@@ -20,7 +20,7 @@ from typing import Protocol
 
 from tidal.config import SchedulerConfig
 from tidal.engine.block_manager import BlockManager
-from tidal.engine.scheduler import ScheduledSeq, Scheduler
+from tidal.engine.scheduler import Scheduler, SchedulerOutput
 from tidal.sampling_params import SamplingParams
 from tidal.sequence import Sequence
 from tidal.sim.roofline import StepShape
@@ -239,10 +239,10 @@ class Simulator:
         out = self.scheduler.schedule()
         if not out.scheduled:
             raise RuntimeError("nothing could be scheduled: the KV cache is too small for one request")
-        shape = step_shape(out.scheduled)
+        shape = step_shape(out)
         seconds = self.step_model.step_time(shape)
         self.step_cost.observe(shape.tokens, shape.seqs, shape.context, seconds, anchor=self._profiling,
-                               drafts=out.decode_drafts, drafting=out.verifying)
+                               drafts=out.decode_drafts, drafting=shape.verifying)
         self.clock += seconds
         self._run.num_steps += 1
         decoding = []
@@ -324,15 +324,15 @@ def catch_up_positions(seq: Sequence) -> int:
     return seq.num_computed_tokens - seq.draft_num_computed
 
 
-def step_shape(scheduled: list[ScheduledSeq]) -> StepShape:
+def step_shape(out: SchedulerOutput) -> StepShape:
     """The step-time model's view of a scheduled batch (before the step updates it); `context`
     is what the engine feeds StepCostModel."""
     tokens = context = drafts = logits = pairs = 0
-    for s in scheduled:
+    for s in out.scheduled:
         n, done = s.num_new_tokens, s.seq.num_computed_tokens
         tokens += n
         context += done + n
         drafts += s.num_draft_tokens
         logits += (1 + s.num_draft_tokens) if s.samples else 0
         pairs += n * done + n * (n + 1) // 2
-    return StepShape(tokens, len(scheduled), context, drafts, logits, pairs)
+    return StepShape(tokens, len(out.scheduled), context, drafts, logits, pairs, out.verifying)
