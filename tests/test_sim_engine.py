@@ -43,10 +43,11 @@ def engine_steps(model_dir, log_path) -> tuple[list[tuple[int, int, int]], tuple
 
 class Recorder:
     def __init__(self):
-        self.shapes = []
+        self.shapes, self.verifying = [], []
 
     def step_time(self, shape):
         self.shapes.append((shape.tokens, shape.seqs, shape.context))
+        self.verifying.append(shape.verifying)
         return 0.01
 
     def draft_time(self, ks, catch_up):
@@ -125,10 +126,11 @@ def test_simulated_speculation_equals_the_engines(tiny_model_dir, mode):
               scheduler=SCHEDULER, spec=spec)
     continuation = llm.generate([[1] * INPUT_LEN], SamplingParams(max_tokens=OUTPUT_LEN + 8, temperature=0,
                                                                   ignore_eos=True))[0].token_ids
-    eng, shapes, verifications = llm.engine, [], []
+    eng, shapes, verifying, verifications = llm.engine, [], [], []
     eng.drafter = KnowingDrafter(continuation)
     observe, record = eng.step_cost.observe, eng.policy.record
-    eng.step_cost.observe = lambda t, s, c, sec, **kw: (shapes.append((t, s, c)), observe(t, s, c, sec, **kw))
+    eng.step_cost.observe = lambda t, s, c, sec, **kw: (shapes.append((t, s, c)), verifying.append(kw["drafting"]),
+                                                        observe(t, s, c, sec, **kw))
     eng.policy.record = lambda d, a: (verifications.append((d, a)), record(d, a))
 
     run_closed_loop(eng)
@@ -138,4 +140,5 @@ def test_simulated_speculation_equals_the_engines(tiny_model_dir, mode):
     sim = Simulator(rec, spec_mode, Replay(verifications), SCHEDULER, NUM_BLOCKS, BLOCK_SIZE)
     run = sim.run(Workload(CONCURRENCY, NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN))
     assert rec.shapes == shapes
+    assert rec.verifying == verifying and max(verifying) > 1  # the sequences verifying drafts, step by step
     assert run.num_verifications == len(verifications) and not sim.acceptance.verifications
