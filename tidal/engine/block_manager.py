@@ -27,10 +27,11 @@ class BlockManager:
         """Blocks `seq` still needs so that `num_tokens` of its tokens have slots."""
         return max(0, blocks_needed(num_tokens, self.block_size) - len(seq.block_table))
 
-    def num_fitting(self, seq: Sequence, num_tokens: int, extra: int) -> int:
+    def num_fitting(self, seq: Sequence, num_tokens: int, extra: int, free: int | None = None) -> int:
         """The most of `extra` further tokens (<= extra) that fit after `num_tokens` of seq's
-        tokens, in its blocks plus the free ones."""
-        room = (len(seq.block_table) + len(self._free)) * self.block_size - num_tokens
+        tokens, in its blocks plus `free` more (default: all the free ones)."""
+        free = len(self._free) if free is None else min(free, len(self._free))
+        room = (len(seq.block_table) + free) * self.block_size - num_tokens
         return max(0, min(extra, room))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:

@@ -109,12 +109,19 @@ class Scheduler:
 
     def reserve_drafts(self, seqs: list[Sequence], num_draft_tokens: list[int]) -> list[int]:
         """Allocate cache slots for each request's drafts (an EAGLE head writes its KV there
-        too), as many as fit in the free blocks; returns the draft lengths that fit."""
+        too), as many as fit in the free blocks that no running request needs for the tokens it
+        has (its next one, or the rest of its prompt); returns the draft lengths that fit. Taking
+        every free block made the next step preempt a request that would have fit without them
+        (found in review: two requests, 12 blocks of 4, n-gram K=4)."""
+        bm = self.block_manager
+        spare = bm.num_free_blocks - sum(bm.num_missing_blocks(s, s.num_tokens) for s in self.running)
         fitted = []
         for seq, k in zip(seqs, num_draft_tokens):
-            fitted.append(self.block_manager.num_fitting(seq, seq.num_tokens, k))
+            own, held = bm.num_missing_blocks(seq, seq.num_tokens), len(seq.block_table)
+            fitted.append(bm.num_fitting(seq, seq.num_tokens, k, own + max(0, spare)))
             if fitted[-1]:
-                self.block_manager.allocate(seq, seq.num_tokens + fitted[-1])
+                bm.allocate(seq, seq.num_tokens + fitted[-1])
+                spare -= len(seq.block_table) - held - own
         return fitted
 
     def _fit_drafts(self, seq: Sequence, n: int, budget: int) -> int:
