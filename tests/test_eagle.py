@@ -158,6 +158,46 @@ def test_catch_up_keeps_the_head_kv_equal_to_one_full_pass(eagle_setup, monkeypa
         assert sum(s.num_preemptions for s in seqs) > 0
 
 
+def test_paused_requests_features_do_not_keep_whole_steps_alive(eagle_setup, monkeypatch):
+    """Speculation off while two or more requests decode (a schedule): the long request's
+    features wait for the head for dozens of steps, each a slice of its step's features. At
+    most MAX_PENDING_VIEWS of them stay views (the rest are copied out, in order), and outputs
+    stay equal to plain decoding."""
+    from tidal.spec.eagle import MAX_PENDING_VIEWS, pins_more
+    target, head_dir = eagle_setup
+    spec = SpecConfig("eagle3", 4, draft_model=str(head_dir), mode="schedule", schedule="1-1:4,2-:0")
+    eng = LLM(str(target), dtype="float32", spec=spec, cache=CacheConfig(block_size=4, num_blocks=512)).engine
+    shadow: list[torch.Tensor] = []
+    real_observe = Eagle3Drafter.observe
+
+    def observe(self, seq, features):
+        if seq.request_id == "long":
+            if not seq.draft_features:
+                shadow.clear()
+            shadow.append(features.clone())
+        real_observe(self, seq, features)
+
+    monkeypatch.setattr(Eagle3Drafter, "observe", observe)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    ps = prompts(12, seed=6)
+    long = eng.add_request("long", ps[0], params)
+    copied, i = 0, 1
+    while eng.has_unfinished():
+        while i < len(ps) and len(eng.scheduler.running) + len(eng.scheduler.waiting) < 4 and long.output_token_ids:
+            # three more, ending at different steps: one still decodes while another prefills
+            eng.add_request(str(i), ps[i], SamplingParams(max_tokens=8 + i % 3, temperature=0, ignore_eos=True))
+            i += 1
+        eng.step()
+        pending = long.draft_features
+        if pending:
+            copied = max(copied, sum(not pins_more(f) for f in pending))
+            assert sum(map(pins_more, pending)) < MAX_PENDING_VIEWS
+            torch.testing.assert_close(torch.cat(pending), torch.cat(shadow), rtol=0, atol=0)
+    assert copied >= 3 and long.spec.num_drafted > 0  # paused for 3 x 8 steps or more, then drafted
+    plain = make(target).generate([ps[0]], params)[0].token_ids
+    assert long.output_token_ids == plain
+
+
 def test_sampled_eagle_is_reproducible(eagle_setup):
     target, head_dir = eagle_setup
     llm = make(target, head_dir)

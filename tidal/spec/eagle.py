@@ -17,6 +17,14 @@ from tidal.layers.sampler import draw, filter_logits
 from tidal.models.eagle3 import Eagle3Head
 from tidal.sequence import Sequence
 
+MAX_PENDING_VIEWS = 8  # see Eagle3Drafter.observe
+
+
+def pins_more(t: torch.Tensor) -> bool:
+    """Whether `t` keeps more memory alive than its own elements (a slice of a bigger tensor;
+    tensors made in inference mode do not record what they view, so their storage tells)."""
+    return t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
 
 class Eagle3Drafter:
     """Proposes with an EAGLE-3 head; needs the target's features at `aux_layers`."""
@@ -31,8 +39,17 @@ class Eagle3Drafter:
         self.aux_layers = head.cfg.target_output_layers
 
     def observe(self, seq: Sequence, features: torch.Tensor) -> None:
-        """Features of the target's verified tokens this step, in position order."""
-        seq.draft_features.append(features)
+        """Features of the target's verified tokens this step, in position order: a slice of the
+        step's features, a view that keeps the whole step's tensor alive (every request's rows,
+        prefill chunks too). While a request does not draft they pile up (in review, a paused
+        request's 120 views held 9.6 MB of step tensors for its own 94 kB), so every
+        `MAX_PENDING_VIEWS` trailing views are copied into one tensor of their own: at most that
+        many steps' tensors stay alive for a paused request, and each row is copied once."""
+        pending = seq.draft_features
+        pending.append(features)
+        # entries after a copy are views, so the one MAX_PENDING_VIEWS back tells for the rest
+        if len(pending) >= MAX_PENDING_VIEWS and pins_more(pending[-MAX_PENDING_VIEWS]):
+            pending[-MAX_PENDING_VIEWS:] = [torch.cat(pending[-MAX_PENDING_VIEWS:])]
 
     def available(self, seqs: list[Sequence], max_k: int) -> list[int]:
         return [max_k] * len(seqs)  # the head always drafts; what it gets right is only known after
