@@ -13,6 +13,9 @@ class SamplingParams:
     """How one request is sampled and when it stops.
 
     temperature 0 (below 1e-5) means greedy. top_k -1 (or 0) disables top-k; top_p 1 disables top-p.
+    `seed` fixes the request's random draws; with speculative decoding the number of draws per
+    step follows the draft length, so the same seed repeats its text only under the same draft
+    lengths (not across adaptive runs or loads; the distribution is the same either way).
     """
 
     max_tokens: int = 16
