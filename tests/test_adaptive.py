@@ -53,6 +53,7 @@ def test_step_log_has_each_steps_drafts_and_prediction(tiny_model_dir, tmp_path)
             # the sequences verifying them: at least one each when there are drafts, none without
             assert min(1, int(r["drafts"])) <= int(r["verifying"]) <= min(int(r["drafts"]), int(r["seqs"]))
     assert any(r["drafts"] and int(r["drafts"]) > 0 for r in rows) and any(not r["drafts"] for r in rows)
+    assert all(r["verifying"] != "" for r in rows)  # prefill steps too: the engine fits every step with it
 
 
 def test_policy_zero_skips_the_drafter(tiny_model_dir, monkeypatch):

@@ -291,6 +291,12 @@ def test_measured_steps_price_the_sequences_verifying_drafts(tmp_path):
     assert m.step_time(StepShape(48, 32, 2048, verifying=8)) == pytest.approx(0.020 + 48e-4 + 4e-3, rel=0.03)
     old = MeasuredModel([(t, 32, 2048, x) for t, x in ((32, 0.0232), (64, 0.0264))])  # no fifth column: none
     assert old.step_time(StepShape(64, 32, 2048, verifying=32)) == pytest.approx(0.0264, rel=0.03)
+    before = tmp_path / "before.csv"  # a step log from before the column: min(drafts, seqs) verify
+    rows = [f"step,{t},32,2048,,,{0.020 + 1e-4 * t:.6f},0,0," for t in (32, 40, 48, 64)]  # plain: the token curve
+    rows += [f"step,{32 + v},32,2048,,,{0.020 + 1e-4 * (32 + v) + 5e-4 * v:.6f},0,{v}," for v in (4, 8, 16, 32)]
+    before.write_text("kind,tokens,seqs,context,forwards,catch_up,seconds,time,drafts,predicted\n" + "\n".join(rows) + "\n")
+    m = MeasuredModel.load(before)
+    assert m.step_time(StepShape(48, 32, 2048, verifying=16)) == pytest.approx(0.020 + 48e-4 + 8e-3, rel=0.03)
 
 
 def test_measured_steps_keep_their_total_time():

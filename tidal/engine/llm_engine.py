@@ -196,7 +196,7 @@ class LLMEngine:
                                drafts=drafts, drafting=out.verifying)
         if self.step_log is not None:
             self.step_log.step(stats.num_tokens, stats.num_seqs, context, stats.seconds, self._profiling, drafts,
-                               stats.predicted_seconds, None if drafts is None else out.verifying)
+                               stats.predicted_seconds, None if self.policy is None else out.verifying)
         self.last_step_stats = stats
         gained = iter(results)
         outputs, decoding = [], []

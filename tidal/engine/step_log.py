@@ -5,8 +5,9 @@ verifying. A step
 row (kind "step", or "profile" during the start-up profile) is what StepCostModel fits: tokens fed,
 running sequences, KV tokens held, seconds of the target forward with verification and sampling;
 `drafts`, for a decode step (no prefill), how many drafts it verified, `predicted`, the cost
-model's forecast of it, and `verifying`, how many of its sequences verified drafts (the cost
-model's per-sequence drafting term; all three empty where the engine has no speculation policy). A draft
+model's forecast of it, and `verifying`, how many of its sequences verified drafts, prefill steps
+included (the cost model's per-sequence drafting term); all three empty where the engine has no
+speculation policy. A draft
 row (kind "draft", or "profile-draft") is what DraftCostModel fits: head forwards in the chain,
 draft tokens, catch-up positions, seconds. `time` is when the row was written, right after the
 step or proposal (Unix seconds), so rows can be matched to the load a benchmark ran at that moment

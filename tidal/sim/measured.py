@@ -1,7 +1,8 @@
 """A step-time model from measured points, fitted with the engine's own cost models.
 
 The file is CSV with a header `tokens,seqs,context,seconds` (an optional `verifying` column:
-sequences verifying drafts in the step; optional further rows may be draft points, see below), or
+sequences verifying drafts in the step; a step log from before that column counts min(drafts,
+seqs) from its `drafts` column; optional further rows may be draft points, see below), or
 JSON: {"steps": [[tokens, seqs, context, seconds(, verifying)], ...],
 "drafts": [[forwards, tokens, catch_up, seconds], ...], "knots": [1, 2, 4, ...]} (knots: the
 token counts where the step time may bend, default StepCostModel's; the engine adds 5, 8 and 9
@@ -40,7 +41,8 @@ def _step_points(points) -> list[tuple[int, int, int, int, float]]:
 
 
 def _fitted_steps(model: StepCostModel, anchors, points) -> StepCostModel:
-    """`model` fed the anchors, then the points (see _step_points), as the engine feeds it."""
+    """`model` fed the anchors, then the points (see _step_points), as the engine feeds its fit
+    (not its draft bias, which a simulated engine learns from its own steps)."""
     for rows, anchor in ((anchors, True), (points, False)):
         for tokens, seqs, context, verifying, seconds in rows:
             model.observe(tokens, seqs, context, seconds, anchor=anchor, drafting=verifying)
@@ -119,8 +121,10 @@ class MeasuredModel:
                 if kind.endswith("draft"):
                     points[kind].append((row["forwards"], row["tokens"], row["catch_up"], row["seconds"]))
                 else:
-                    points[kind].append((row["tokens"], row["seqs"], row["context"], row["seconds"],
-                                         row.get("verifying")))
+                    verifying = row.get("verifying")
+                    if verifying is None and row.get("drafts"):  # a log from before the column:
+                        verifying = min(int(row["drafts"]), int(row["seqs"]))  # as StepCostModel.pricing counts
+                    points[kind].append((row["tokens"], row["seqs"], row["context"], row["seconds"], verifying))
         return cls(points["step"], points["draft"], knots, points["profile"], points["profile-draft"])
 
     def step_time(self, shape: StepShape) -> float:
