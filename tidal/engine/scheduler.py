@@ -115,10 +115,12 @@ class Scheduler:
         (found in review: two requests, 12 blocks of 4, n-gram K=4)."""
         bm = self.block_manager
         spare = bm.num_free_blocks - sum(bm.num_missing_blocks(s, s.num_tokens) for s in self.running)
+        if spare < 0:  # the next step preempts anyway: no drafting work for a request it may drop
+            return [0] * len(seqs)
         fitted = []
         for seq, k in zip(seqs, num_draft_tokens):
             own, held = bm.num_missing_blocks(seq, seq.num_tokens), len(seq.block_table)
-            fitted.append(bm.num_fitting(seq, seq.num_tokens, k, own + max(0, spare)))
+            fitted.append(bm.num_fitting(seq, seq.num_tokens, k, own + spare))
             if fitted[-1]:
                 bm.allocate(seq, seq.num_tokens + fitted[-1])
                 spare -= len(seq.block_table) - held - own
