@@ -185,18 +185,19 @@ class LLMEngine:
             return []
         stats = StepStats(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))
         context = sum(s.seq.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
+        verifying = out.verifying  # sequences verifying drafts: the cost model's feature, the log's column
         if self.policy is not None:  # the step as it runs, arrivals included (the policy chose before them)
-            stats.predicted_seconds = self.step_cost.predict(stats.num_tokens, stats.num_seqs, context, out.verifying)
+            stats.predicted_seconds = self.step_cost.predict(stats.num_tokens, stats.num_seqs, context, verifying)
         start = time.perf_counter()
         results, features = self.runner.execute(out.scheduled)  # ends in a device sync (.tolist())
         stats.seconds = time.perf_counter() - start
         # the draft bias needs a prediction per step (and so the fit's refits): not without a policy
         drafts = out.decode_drafts if self.policy is not None else None
         self.step_cost.observe(stats.num_tokens, stats.num_seqs, context, stats.seconds, anchor=self._profiling,
-                               drafts=drafts, drafting=out.verifying)
+                               drafts=drafts, drafting=verifying)
         if self.step_log is not None:
             self.step_log.step(stats.num_tokens, stats.num_seqs, context, stats.seconds, self._profiling, drafts,
-                               stats.predicted_seconds, None if self.policy is None else out.verifying)
+                               stats.predicted_seconds, None if self.policy is None else verifying)
         self.last_step_stats = stats
         gained = iter(results)
         outputs, decoding = [], []
