@@ -38,7 +38,12 @@ model (one more token there leaves the 4-bit kernel for the dense one: 18.7 -> 2
 backlog of 20-60 positions makes the head's forward 3.6 ms; throwaway step log, 2026-12-04). With 64,
 at one request on the bundled model (where fixed K=2 was 1.11x of plain decoding) the policy
 drafted in 7 steps of 294, and those few verifications put position 1's acceptance at 0.18 where
-it is about 0.35, so it kept K = 0 (throwaway diagnostic, 2026-12-04). The other way round, the
+it is about 0.35, so it kept K = 0 (throwaway diagnostic, 2026-12-04). Every later position is probed alike: position
+l is only measured in chains that reach it, so after `probe_every` steps in which no request
+drafted at l, a request drafting l - 1 gets one more, at the same cost rule. Without it, at one
+request with the shipped head, two early rejections put position 2's rate at 0.16 (measured
+~0.56 when it is drafted) and with chains of one draft it stayed there: K = 2 in 3 steps of 810
+(throwaway diagnostic, 2026-12-04). The other way round, the
 cost of a plain step is only measured while no one drafts: after `plain_every` (64) steps in a
 row with drafts, one step has none (it gives up a whole step's gain, so it comes rarer). Without
 it, once the policy drafts, the cost model's window holds only drafting steps and the plain
@@ -173,9 +178,11 @@ class SpecPolicy:
         self._reached = [1.0] * max_k
         self._accepted = [initial_acceptance] * max_k
         self.probe_every, self.probe_share, self.plain_every = probe_every, probe_share, plain_every
-        self._idle = 0  # adaptive steps in a row with no drafts anywhere
-        self._idle_seconds = 0.0  # ... and their predicted decoding time
-        self._busy = 0  # ... and with drafts
+        # per draft position l: adaptive steps in a row in which no request drafted at l (for l = 1,
+        # steps with no drafts anywhere), and their predicted decoding time
+        self._short = [0] * max_k
+        self._short_seconds = [0.0] * max_k
+        self._busy = 0  # ... and steps in a row with drafts
 
     @property
     def prior(self) -> list[float]:
@@ -235,28 +242,36 @@ class SpecPolicy:
         return r.catch_up / max(1.0, steps_left)
 
     def _probe(self, ks: list[int], requests: list[RequestView], budget: int, costs) -> list[int]:
-        """One draft for one request after `probe_every` steps without any, once it costs at most
-        `probe_share` of their time, and a step without drafts after `plain_every` with them (see
-        the module docstring). `costs`: base_tokens, seqs, context, prefill, verify_cost, draft_cost."""
-        if any(ks):
-            self._idle, self._idle_seconds, self._busy = 0, 0.0, self._busy + 1
+        """One more draft for one request at the first position no request drafts this step, once
+        none has drafted there for `probe_every` steps and it costs at most `probe_share` of their
+        time, and a step without drafts after `plain_every` with them (see the module docstring).
+        `costs`: base_tokens, seqs, context, prefill, verify_cost, draft_cost."""
+        depth, total = max(ks, default=0), sum(ks)
+        for l in range(depth):  # positions drafted this step: measured, their counts start again
+            self._short[l], self._short_seconds[l] = 0, 0.0
+        if depth:
+            self._busy += 1
             if self._busy > self.plain_every:
                 self._busy = 0
                 return [0] * len(ks)
+        else:
+            self._busy = 0
+        if depth >= self.max_k:
             return ks
-        self._busy = 0
         base_tokens, seqs, context, prefill, verify_cost, draft_cost = costs
-        plain = verify_cost(base_tokens, seqs, context) - prefill
-        self._idle, self._idle_seconds = self._idle + 1, self._idle_seconds + plain
-        able = [i for i, r in enumerate(requests) if min(r.max_k, self.max_k) > 0]
-        if self._idle >= self.probe_every and able and budget > 0:
-            i = min(able, key=lambda i: requests[i].catch_up)
-            extra = (verify_cost(base_tokens + 1, seqs, context + 1) - prefill - plain
-                     + draft_cost(1, 1, requests[i].catch_up))
-            if extra <= self.probe_share * self._idle_seconds:
+        now = verify_cost(base_tokens + total, seqs, context + total)
+        self._short[depth] += 1
+        self._short_seconds[depth] += now - prefill
+        able = [i for i, r in enumerate(requests) if ks[i] == depth and min(r.max_k, self.max_k) > depth]
+        if self._short[depth] >= self.probe_every and able and total < budget:
+            i = min(able, key=lambda i: requests[i].catch_up)  # first position: the cheapest backlog
+            catch_up = requests[i].catch_up if depth == 0 else 0  # deeper: already paid this step
+            extra = (verify_cost(base_tokens + total + 1, seqs, context + total + 1) - now
+                     + draft_cost(depth + 1, total + 1, catch_up) - draft_cost(depth, total, catch_up))
+            if extra <= self.probe_share * self._short_seconds[depth]:
                 ks = list(ks)
-                ks[i] = 1
-                self._idle, self._idle_seconds = 0, 0.0
+                ks[i] += 1
+                self._short[depth], self._short_seconds[depth] = 0, 0.0
         return ks
 
     @staticmethod
