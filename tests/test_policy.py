@@ -134,26 +134,34 @@ def test_a_request_is_probed_after_a_long_pause_everywhere():
 
 def test_a_position_no_request_drafts_is_probed_too():
     """Drafting one token a step, nobody's second draft is ever verified, so an early low estimate
-    of position 2 (two rejections) would stand for good: after `probe_every` steps in which no
-    request drafted there, one request gets a second draft for one step, if that costs at most
-    `probe_share` of those steps' time; a position drafted by choice is not probed."""
+    of position 2 (two rejections) would stand for good: once `probe_every` steps' chains stopped
+    at position 1 since one last reached 2, the request likeliest to reach 2 gets a second draft
+    for a step, if that costs at most `probe_share` of those steps' time."""
     def verify(tokens, seqs, context):  # a draft costs a fifth of a plain step
         return 0.010 + 0.0025 * tokens
 
-    policy = SpecPolicy("adaptive", 4, probe_every=10, probe_share=0.05)
-    req = RequestView(4, [50.0, 2.0, 0.0, 0.0], [30.0, 0.2, 0.0, 0.0])  # 0.6 at position 1, 0.1 at 2
-    choices = [policy.choose([req], 1, 1, 100, verify, no_draft_cost) for _ in range(30)]
+    def run(reqs_per_step, cost=verify):
+        policy = SpecPolicy("adaptive", 4, probe_every=10, probe_share=0.05)
+        return [policy.choose(reqs, len(reqs), len(reqs), 100, cost, no_draft_cost) for reqs in reqs_per_step]
+
+    # 0.6 at position 1; position 2 accepted 0.1 of 2 times, 0.3 once smoothed: one draft pays, two do not
+    one = RequestView(4, [50.0, 2.0, 0.0, 0.0], [30.0, 0.2, 0.0, 0.0])
+    choices = run([[one]] * 30)
     assert [i for i, ks in enumerate(choices) if ks != [1]] == [9, 19, 29] and choices[9] == [2]
-    # too dear for 5% of 10 steps (2.5 ms against 7.5): it waits until 5% covers it
-    policy = SpecPolicy("adaptive", 4, probe_every=10, probe_share=0.05)
+    # too dear for 5% of 10 steps (12.5 ms against 7.5): it waits until 5% covers it (17 steps)
     dear = lambda t, s, c: verify(t, s, c) + (0.01 if t >= 3 else 0.0)  # noqa: E731
-    choices = [policy.choose([req], 1, 1, 100, dear, no_draft_cost) for _ in range(30)]
-    assert [i for i, ks in enumerate(choices) if ks != [1]] == [16]
+    assert [i for i, ks in enumerate(run([[one]] * 30, dear)) if ks != [1]] == [16]
+    # chains that reach position 2 by choice (steps 6-8) start the count again
+    two = RequestView(4, [50.0, 50.0, 2.0, 0.0], [45.0, 45.0, 0.2, 0.0])
+    choices = run([[one]] * 6 + [[two]] * 3 + [[one]] * 12)
+    assert [i for i, ks in enumerate(choices) if ks != [1]] == [6, 7, 8, 18] and choices[6] == [2]
+    # of two requests drafting one token, the probe goes to the one that accepts more
+    likely = RequestView(4, [50.0, 2.0, 0.0, 0.0], [45.0, 0.2, 0.0, 0.0])
+    choices = run([[one, likely]] * 10)
+    assert choices[:9] == [[1, 1]] * 9 and choices[9] == [1, 2]
     # chains reach position 3 by choice: positions 1-3 measured every step, position 4 probed
-    policy = SpecPolicy("adaptive", 4, probe_every=10, probe_share=0.05)
-    good = RequestView(4, [50.0, 50.0, 50.0, 2.0], [45.0, 45.0, 45.0, 0.2])
-    choices = [policy.choose([good], 1, 1, 100, verify, no_draft_cost) for _ in range(20)]
-    assert [ks[0] for ks in choices] == [3] * 9 + [4] + [3] * 9 + [4]
+    three = RequestView(4, [50.0, 50.0, 50.0, 2.0], [45.0, 45.0, 45.0, 0.2])
+    assert [ks[0] for ks in run([[three]] * 20)] == [3] * 9 + [4] + [3] * 9 + [4]
 
 
 def test_a_drafting_policy_measures_a_plain_step_now_and_then():

@@ -39,8 +39,11 @@ backlog of 20-60 positions makes the head's forward 3.6 ms; throwaway step log, 
 at one request on the bundled model (where fixed K=2 was 1.11x of plain decoding) the policy
 drafted in 7 steps of 294, and those few verifications put position 1's acceptance at 0.18 where
 it is about 0.35, so it kept K = 0 (throwaway diagnostic, 2026-12-04). Every later position is probed alike: position
-l is only measured in chains that reach it, so after `probe_every` steps in which no request
-drafted at l, a request drafting l - 1 gets one more, at the same cost rule. Without it, at one
+l is only measured in chains that reach it, so once `probe_every` steps' longest chains stopped at
+l - 1 since one last reached l, the request drafting l - 1 likeliest to reach l gets one more
+draft, if its verification and head forward (no backlog: that request drafts anyway) cost at most
+`probe_share` of those steps' verification time; it measures l only when the l - 1 drafts before
+it are accepted. Without it, at one
 request with the shipped head, two early rejections put position 2's rate at 0.16 (measured
 ~0.56 when it is drafted) and with chains of one draft it stayed there: K = 2 in 3 steps of 810
 (throwaway diagnostic, 2026-12-04). The other way round, the
@@ -178,8 +181,8 @@ class SpecPolicy:
         self._reached = [1.0] * max_k
         self._accepted = [initial_acceptance] * max_k
         self.probe_every, self.probe_share, self.plain_every = probe_every, probe_share, plain_every
-        # per draft position l: adaptive steps in a row in which no request drafted at l (for l = 1,
-        # steps with no drafts anywhere), and their predicted decoding time
+        # per draft position l: adaptive steps whose longest chain stopped at l - 1 since a chain last
+        # reached l (l = 1: steps in a row without drafts), and their predicted verification time
         self._short = [0] * max_k
         self._short_seconds = [0.0] * max_k
         self._busy = 0  # ... and steps in a row with drafts
@@ -231,7 +234,7 @@ class SpecPolicy:
             if (stay != ks and sum(stay) <= budget
                     and self.goodput(*args, ks) <= (1 + self.margin) * self.goodput(*args, stay)):
                 ks = stay
-        return self._probe(ks, requests, budget, costs)
+        return self._probe(ks, requests, worths, budget, costs)
 
     @staticmethod
     def catch_up_charge(r: RequestView, worths: list[float]) -> float:
@@ -241,11 +244,13 @@ class SpecPolicy:
         steps_left = r.remaining / (1.0 + sum(worths))
         return r.catch_up / max(1.0, steps_left)
 
-    def _probe(self, ks: list[int], requests: list[RequestView], budget: int, costs) -> list[int]:
+    def _probe(self, ks: list[int], requests: list[RequestView], worths: list[list[float]], budget: int,
+               costs) -> list[int]:
         """One more draft for one request at the first position no request drafts this step, once
-        none has drafted there for `probe_every` steps and it costs at most `probe_share` of their
-        time, and a step without drafts after `plain_every` with them (see the module docstring).
-        `costs`: base_tokens, seqs, context, prefill, verify_cost, draft_cost."""
+        `probe_every` steps have stopped short of it since a chain last reached it and the draft
+        costs at most `probe_share` of their time; and a step without drafts after `plain_every`
+        with them (see the module docstring). `costs`: base_tokens, seqs, context, prefill,
+        verify_cost, draft_cost."""
         depth, total = max(ks, default=0), sum(ks)
         for l in range(depth):  # positions drafted this step: measured, their counts start again
             self._short[l], self._short_seconds[l] = 0, 0.0
@@ -264,10 +269,14 @@ class SpecPolicy:
         self._short_seconds[depth] += now - prefill
         able = [i for i, r in enumerate(requests) if ks[i] == depth and min(r.max_k, self.max_k) > depth]
         if self._short[depth] >= self.probe_every and able and total < budget:
-            i = min(able, key=lambda i: requests[i].catch_up)  # first position: the cheapest backlog
-            catch_up = requests[i].catch_up if depth == 0 else 0  # deeper: already paid this step
+            if depth == 0:  # the cheapest backlog to catch up on
+                i = min(able, key=lambda i: requests[i].catch_up)
+            else:  # the likeliest to reach the position (its drafts so far all accepted); backlog paid
+                i = max(able, key=lambda i: worths[i][depth - 1])
+            catch_up = requests[i].catch_up if depth == 0 else 0
+            drafting = draft_cost(depth, total, catch_up) if depth else 0.0  # K = 0: no drafter call
             extra = (verify_cost(base_tokens + total + 1, seqs, context + total + 1) - now
-                     + draft_cost(depth + 1, total + 1, catch_up) - draft_cost(depth, total, catch_up))
+                     + draft_cost(depth + 1, total + 1, catch_up) - drafting)
             if extra <= self.probe_share * self._short_seconds[depth]:
                 ks = list(ks)
                 ks[i] += 1
