@@ -11,13 +11,15 @@ One request at a time (the shipped chat prompts, greedy, `output-len` tokens, ig
   a, else by a wrong one: a head with the same cost whose drafts are each accepted with
   probability a given the ones before (acceptance length 1 + a + ... + a^K);
 - `free@a`: the same tokens from a drafter that costs nothing (no head forward): what verifying
-  drafts alone costs.
+  drafts costs, with the speculative step's own bookkeeping (cost models, verification).
 The target's own greedy answer (the `off` run of the same prompt) says what "right" is. In bf16 a
 verify step's kernels round differently from a one-row step's, so at a near-tie a speculative
 run can pick another token than plain decoding did (README, correctness); from there the target's
 answer is taken again by plain decoding from the run's own tokens, a pause not counted in its
-time (how often, printed). Configs run
-interleaved per prompt, so that drift in this machine's speed hits them alike. Prints each
+time (how often, printed); near such ties a "right" draft can also be rejected, so the rates are
+nominal and the measured tokens/step say what was reached. `off` runs first for each prompt (its
+answer is the truth); the other configs run interleaved, in an order rotated across prompts, so
+that drift in this machine's speed hits them alike. Prints each
 config's tok/s over `off` and its measured acceptance length, per K, and the best K.
 """
 
@@ -107,22 +109,25 @@ def main():
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         return off.generate([tokens], params)[0].token_ids
 
-    for (kind, _), llm in engines.items():
+    tok = off.tokenizer
+    warm = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hello."}]))
+    warm_answer = answer(warm, 16)
+    for (kind, k), llm in engines.items():  # every engine through its verify path before timing
         eng = llm.engine
         if kind != "off":
             eng.drafter = OracleDrafts(eng.drafter if kind == "eagle3" else None, eng.model_config.vocab_size, answer)
-        llm.generate("warm up", SamplingParams(max_tokens=4))
+            eng.drafter.rate, eng.drafter.answers = 0.5, {f"warm-{kind}-{k}": warm + warm_answer}
+        run_one(llm, warm, 16, f"warm-{kind}-{k}")
     configs = [("off", 0, None)] + [("eagle3", k, None) for k in ks]
     configs += [(kind, k, r) for r in rates for kind in ("eagle3", "free") for k in ks]
     totals = {c: [0.0, 0, 0, 0] for c in configs}
-    tok = off.tokenizer
     diverged = 0
     for i, text in enumerate(chat_prompts()[: args.prompts]):
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
         sec, answer, _, _ = run_one(off, ids, args.output_len, f"p{i}-off")
         totals[configs[0]] = [a + b for a, b in zip(totals[configs[0]], (sec, len(answer), 0, 0))]
-        order = configs[1:]
-        for n, (kind, k, rate) in enumerate(order[i % len(order):] + order[: i % len(order)]):
+        order, shift = configs[1:], i * (len(configs) - 1) // args.prompts  # rotated across the whole list
+        for n, (kind, k, rate) in enumerate(order[shift:] + order[:shift]):
             eng = engines[kind, k].engine
             rid = f"p{i}-{kind}-{k}-{rate}-{n}"
             eng.drafter.rate, eng.drafter.answers = rate, {rid: ids + answer}
