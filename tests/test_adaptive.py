@@ -71,6 +71,30 @@ def test_policy_zero_skips_the_drafter(tiny_model_dir, monkeypatch):
     assert eng.k_histogram[0] > 0 and eng.k_histogram.get(3, 0) > 0
 
 
+def test_a_paused_requests_acceptance_counts_age_every_step(tiny_model_dir):
+    """A step in which a request emits a token without drafting ages its recent acceptance counts
+    as a verification would (SpecStats.fade): while paused, its estimate returns towards the prior."""
+    eng = engine(tiny_model_dir, mode="schedule", schedule="1-1:3,2-:0")  # alone it drafts, with others not
+    ps = repetitive_prompts(4)
+    a = eng.add_request("a", ps[0], SamplingParams(max_tokens=80, temperature=0, ignore_eos=True))
+    while a.spec.num_drafted == 0 or len(a.output_token_ids) < 8:
+        eng.step()
+    for i, p in enumerate(ps[1:]):
+        eng.add_request(f"b{i}", p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    faded = 0
+    while not a.is_finished and faded < 10:
+        reached, accepted, drafted, emitted = (list(a.spec.recent_reached), list(a.spec.recent_accepted),
+                                               a.spec.num_drafted, len(a.output_token_ids))
+        eng.step()
+        if a.spec.num_drafted == drafted and len(a.output_token_ids) == emitted + 1:
+            assert a.spec.recent_reached == pytest.approx([0.9 * x for x in reached])
+            assert a.spec.recent_accepted == pytest.approx([0.9 * x for x in accepted])
+            faded += 1
+        else:
+            assert a.spec.num_drafted > drafted  # it verified drafts: counted, not faded
+    assert faded == 10 and sum(a.spec.recent_reached) > 0
+
+
 def test_bad_speculation_config_is_rejected():
     for bad in (dict(mode="sometimes"), dict(mode="schedule"), dict(schedule="1-4:2"),
                 dict(mode="schedule", schedule="4-1:2")):

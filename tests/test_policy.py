@@ -164,6 +164,25 @@ def test_a_position_no_request_drafts_is_probed_too():
     assert [ks[0] for ks in run([[three]] * 20)] == [3] * 9 + [4] + [3] * 9 + [4]
 
 
+def test_a_paused_requests_estimate_returns_towards_the_prior():
+    """Ten rejections in a row put a request's estimate far under the engine-wide rate; the steps it
+    then spends without drafting age those counts (SpecStats.fade), so its estimate climbs back
+    towards the prior rather than keeping it at K = 0 until a probe happens to be accepted."""
+    from tidal.sequence import SpecStats
+    from tidal.spec.policy import acceptance_curve
+
+    stats = SpecStats()
+    for _ in range(10):
+        stats.record(1, 0)
+    estimate = lambda: acceptance_curve(stats.recent_reached, stats.recent_accepted, [0.4], 2.0)[0]  # noqa: E731
+    readings = [estimate()]
+    for _ in range(4):
+        for _ in range(10):
+            stats.fade()
+        readings.append(estimate())
+    assert readings[0] < 0.1 and readings == sorted(readings) and 0.38 < readings[-1] < 0.4
+
+
 def test_a_drafting_policy_measures_a_plain_step_now_and_then():
     """Drafts paying every step, one step in `plain_every` + 1 has none: the plain step's cost is
     measured live, not read off the start-up profile forever."""

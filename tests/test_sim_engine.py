@@ -117,8 +117,13 @@ class Replay:
 
 
 @pytest.mark.parametrize("mode", ["fixed:3", "schedule:1-2:3,3-:1"])
-def test_simulated_speculation_equals_the_engines(tiny_model_dir, mode):
+def test_simulated_speculation_equals_the_engines(tiny_model_dir, mode, monkeypatch):
     from tidal.config import SpecConfig
+    from tidal.sequence import SpecStats
+
+    fades = []  # steps in which a request emitted without drafting (its estimate ages), engine then sim
+    fade = SpecStats.fade
+    monkeypatch.setattr(SpecStats, "fade", lambda self: (fades.append(1), fade(self)))
 
     spec_mode = parse_modes(mode)[0]
     spec = SpecConfig("ngram", spec_mode.max_k, mode=spec_mode.mode, schedule=spec_mode.schedule)
@@ -133,8 +138,10 @@ def test_simulated_speculation_equals_the_engines(tiny_model_dir, mode):
                                                         observe(t, s, c, sec, **kw))
     eng.policy.record = lambda d, a: (verifications.append((d, a)), record(d, a))
 
+    fades.clear()  # not the continuation's
     run_closed_loop(eng)
     assert {a for _, a in verifications} >= {0, 1, 2}, "the case should accept some drafts, not all"
+    engine_fades, fades[:] = len(fades), []
 
     rec = Recorder()
     sim = Simulator(rec, spec_mode, Replay(verifications), SCHEDULER, NUM_BLOCKS, BLOCK_SIZE)
@@ -142,3 +149,4 @@ def test_simulated_speculation_equals_the_engines(tiny_model_dir, mode):
     assert rec.shapes == shapes
     assert rec.verifying == verifying and max(verifying) > 1  # the sequences verifying drafts, step by step
     assert run.num_verifications == len(verifications) and not sim.acceptance.verifications
+    assert len(fades) == engine_fades > 0

@@ -213,6 +213,8 @@ class LLMEngine:
                 stats.spec.record(s.num_draft_tokens, len(tokens) - 1)
                 seq.num_computed_tokens += len(tokens) - 1
                 seq.draft_token_ids, seq.draft_probs = [], None
+            elif s.samples and self.policy is not None:
+                seq.spec.fade()  # a token without drafts: its acceptance estimate ages (SpecStats.fade)
             if features is not None:  # the verified positions' features, for the draft head
                 self.drafter.observe(seq, features[offset:offset + fed + max(0, len(tokens) - 1)])
             offset += s.num_new_tokens

@@ -260,6 +260,8 @@ class Simulator:
                 self._run.num_accepted += accepted
                 seq.num_computed_tokens += accepted
                 seq.draft_token_ids = []
+            elif self.policy is not None:
+                seq.spec.fade()  # as the engine does
             self._emit(seq, accepted + 1)
             if not seq.is_finished:
                 decoding.append(seq)

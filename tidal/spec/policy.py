@@ -69,7 +69,8 @@ step, good acceptance) its gain is far above either bar.
 Optimism: a request's first-position acceptance is smoothed towards the engine-wide rate plus
 `optimism` (0.2), not the rate itself, so a new request starts above it and its own counts take
 over as they come (with a prior weight of 2 and counts that decay by 0.9 a verification, the raise
-at one request is 0.2 at the start, 0.05 after ten verifications and never below 0.03). Acceptance differs a lot
+at one request is 0.2 at the start, 0.05 after ten verifications and never below 0.03; a step
+without drafts ages the counts too, so a paused request drifts back up: SpecStats.fade). Acceptance differs a lot
 from one request to the next (on the shipped chat prompts at one request, 0.18 to 0.78 at the
 first position under fixed K = 2), and it is only measured while a request drafts: started from
 a prior near the break-even point, a request the prior undersold stayed at K = 0 (one accepting
