@@ -38,17 +38,16 @@ model (one more token there leaves the 4-bit kernel for the dense one: 18.7 -> 2
 backlog of 20-60 positions makes the head's forward 3.6 ms; throwaway step log, 2026-12-04). With 64,
 at one request on the bundled model (where fixed K=2 was 1.11x of plain decoding) the policy
 drafted in 7 steps of 294, and those few verifications put position 1's acceptance at 0.18 where
-it is about 0.35, so it kept K = 0 (throwaway diagnostic, 2026-12-04). Every later position is probed alike: position
-l is only measured in chains that reach it, so once `probe_every` steps' longest chains stopped at
-l - 1 since one last reached l, the request drafting l - 1 likeliest to reach l gets one more
-draft, if its verification and head forward (no backlog: that request drafts anyway) cost at most
-`probe_share` of those steps' verification time; it measures l only when the l - 1 drafts before
-it are accepted. Without it, at one
-request with the shipped head, two early rejections put position 2's rate at 0.16 (measured
-~0.56 when it is drafted) and with chains of one draft it stayed there: K = 2 in 3 steps of 810
-(throwaway diagnostic, 2026-12-04). The other way round, the
-cost of a plain step is only measured while no one drafts: after `plain_every` (64) steps in a
-row with drafts, one step has none (it gives up a whole step's gain, so it comes rarer). Without
+it is about 0.35, so it kept K = 0 (throwaway diagnostic, 2026-12-04). Every later position is
+probed alike: position l is only measured in chains that reach it, so once `probe_every` steps'
+longest chains stopped at l - 1 since one last reached l, the request drafting l - 1 likeliest to
+reach l gets one more draft, if its verification and head forward (no backlog: that request
+drafts anyway) cost at most `probe_share` of those steps' verification time; it measures l only
+when the l - 1 drafts before it are accepted. Without it, at one request with the shipped head,
+two early rejections put position 2's rate at 0.16 (measured ~0.56 when it is drafted) and with
+chains of one draft it stayed there: K = 2 in 3 steps of 810 (throwaway diagnostic, 2026-12-04).
+The other way round, the cost of a plain step is only measured while no one drafts: after
+`plain_every` (64) steps in a row with drafts, one step has none (it gives up a whole step's gain, so it comes rarer). Without
 it, once the policy drafts, the cost model's window holds only drafting steps and the plain
 step's cost is read off the start-up profile's shape: a plausible cause of a run that kept
 drafting at 128 requests (mean K 0.92) and lost 16% to plain decoding (benchmarks/adaptive.py,
@@ -70,8 +69,8 @@ Optimism: a request's first-position acceptance is smoothed towards the engine-w
 `optimism` (0.2), not the rate itself, so a new request starts above it and its own counts take
 over as they come (with a prior weight of 2 and counts that decay by 0.9 a verification, the raise
 at one request is 0.2 at the start, 0.05 after ten verifications and never below 0.03; a step
-without drafts ages the counts too, so a paused request drifts back up: SpecStats.fade). Acceptance differs a lot
-from one request to the next (on the shipped chat prompts at one request, 0.18 to 0.78 at the
+without drafts ages the counts too, so a paused request drifts back up: SpecStats.fade).
+Acceptance differs a lot from one request to the next (on the shipped chat prompts at one request, 0.18 to 0.78 at the
 first position under fixed K = 2), and it is only measured while a request drafts: started from
 a prior near the break-even point, a request the prior undersold stayed at K = 0 (one accepting
 0.73 drafted in 2% of its steps, its three probes having accepted one). An upper confidence bound
@@ -186,7 +185,7 @@ class SpecPolicy:
         # reached l (l = 1: steps in a row without drafts), and their predicted verification time
         self._short = [0] * max_k
         self._short_seconds = [0.0] * max_k
-        self._busy = 0  # ... and steps in a row with drafts
+        self._busy = 0  # adaptive steps in a row with drafts
 
     @property
     def prior(self) -> list[float]:
