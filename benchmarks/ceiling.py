@@ -105,6 +105,7 @@ def main():
     for k in ks:
         engines["eagle3", k] = LLM(spec=SpecConfig("eagle3", k, mode="fixed"), cache=cache)
         engines["free", k] = LLM(spec=SpecConfig("ngram", k, mode="fixed"), cache=cache)
+
     def answer(tokens: list[int], n: int) -> list[int]:  # plain decoding's continuation, n tokens at most
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         return off.generate([tokens], params)[0].token_ids
@@ -124,15 +125,15 @@ def main():
     diverged = 0
     for i, text in enumerate(chat_prompts()[: args.prompts]):
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
-        sec, answer, _, _ = run_one(off, ids, args.output_len, f"p{i}-off")
-        totals[configs[0]] = [a + b for a, b in zip(totals[configs[0]], (sec, len(answer), 0, 0))]
+        sec, plain, _, _ = run_one(off, ids, args.output_len, f"p{i}-off")  # the truth for this prompt
+        totals[configs[0]] = [a + b for a, b in zip(totals[configs[0]], (sec, len(plain), 0, 0))]
         order, shift = configs[1:], i * (len(configs) - 1) // args.prompts  # rotated across the whole list
         for n, (kind, k, rate) in enumerate(order[shift:] + order[:shift]):
             eng = engines[kind, k].engine
             rid = f"p{i}-{kind}-{k}-{rate}-{n}"
-            eng.drafter.rate, eng.drafter.answers = rate, {rid: ids + answer}
+            eng.drafter.rate, eng.drafter.answers = rate, {rid: ids + plain}
             sec, out, drafted, accepted = run_one(engines[kind, k], ids, args.output_len, rid)
-            diverged += out != answer
+            diverged += out != plain
             totals[kind, k, rate] = [a + b for a, b in zip(totals[kind, k, rate], (sec, len(out), drafted, accepted))]
         print(f"  prompt {i + 1}/{args.prompts} done", flush=True)
     base = totals[configs[0]][1] / totals[configs[0]][0]
