@@ -33,7 +33,8 @@ import json
 import statistics
 from datetime import datetime
 
-from tidal.bench.datasets import chat_prompts, load_tokenizer
+from tidal.bench.datasets import chat_prompts
+from tidal.models.loader import load_tokenizer
 from tidal.config import SchedulerConfig
 from tidal.sim.measured import MeasuredModel
 from tidal.sim.simulator import AcceptanceModel, parse_modes

@@ -332,7 +332,7 @@ def test_sharegpt_and_random_datasets(tmp_path):
         {"conversations": [{"from": "gpt", "value": "no human turn"}]},
         {"conversations": [{"from": "human", "value": "another"}]}]))
     assert sharegpt_prompts(str(path)) == ["hi there", "another"]
-    from tidal.bench.datasets import load_tokenizer
+    from tidal.models.loader import load_tokenizer
 
     tok, vocab = load_tokenizer()
     prompts = random_prompts(tok, vocab, 6, 100, seed=1)

@@ -36,6 +36,10 @@ class Tokenizer:
         name = lambda i: tokens[i] if i is not None and 0 <= i < len(tokens) else None  # noqa: E731
         return cls(tok, chat_template, name(bos_id), name(eos_id), add_bos)
 
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with BOS first when the model wants it (once: a chat template
         that already wrote it is not doubled)."""

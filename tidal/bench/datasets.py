@@ -66,24 +66,3 @@ def random_prompts(tokenizer, vocab_size: int, num: int, input_len: int, seed: i
                 break
             ids = got[:input_len] + rng.integers(0, vocab, max(0, input_len - len(got))).tolist()
     return prompts
-
-
-def load_tokenizer(model: str | None = None):
-    """(tidal Tokenizer, vocabulary size) of `model` (None: the bundled GGUF), read without
-    loading any weights."""
-    from pathlib import Path
-
-    from tidal.models import loader
-
-    path = loader.default_model_path() if model is None else Path(model)
-    if path.is_dir():
-        tok = loader._hf_tokenizer(path, None)  # it reads only tokenizer(_config).json
-        return tok, tok._tok.get_vocab_size()
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    meta = {k: reader.fields[k].contents() for k in ("tokenizer.chat_template", "tokenizer.ggml.bos_token_id",
-                                                    "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_bos_token")
-            if k in reader.fields}
-    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
-    return loader._gguf_tokenizer(reader, meta, tokens), len(tokens)

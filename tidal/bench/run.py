@@ -49,6 +49,7 @@ def load_prompts(args, cfg: SweepConfig) -> list[str]:
     """The prompt texts of the chosen dataset; random ones are token-exact for the tokenizer,
     one per request of the largest level."""
     from tidal.bench import datasets
+    from tidal.models.loader import load_tokenizer
 
     if args.dataset == "chat":
         return datasets.chat_prompts()
@@ -56,7 +57,7 @@ def load_prompts(args, cfg: SweepConfig) -> list[str]:
         if not args.dataset_path:
             raise ValueError("--dataset sharegpt needs --dataset-path FILE.json")
         return datasets.sharegpt_prompts(args.dataset_path)
-    tokenizer, vocab_size = datasets.load_tokenizer(args.tokenizer)
+    tokenizer, vocab_size = load_tokenizer(args.tokenizer)
     num = max(cfg.num_requests(c) for c in cfg.concurrency)
     return datasets.random_prompts(tokenizer, vocab_size, num, args.input_len, args.seed)
 

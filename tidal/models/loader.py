@@ -29,6 +29,7 @@ class LoadedModel:
     name: str
     # 4-bit codes of fused layer weights, when the file stores them so: name -> (codes, scale, min)
     int4_codes: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    quantized_head: bool = False  # the file stores the output head at 8 bits a weight or fewer
 
 
 def default_model_path() -> Path:
@@ -47,6 +48,19 @@ def load(model: str | None) -> LoadedModel:
     if path.is_dir() and (path / "config.json").is_file():
         return _load_hf_dir(path)
     raise FileNotFoundError(f"{model!r} is neither a .gguf file nor a directory with config.json")
+
+
+def load_tokenizer(model: str | None = None) -> tuple[Tokenizer, int]:
+    """(tokenizer, vocabulary size) of `model` (None: the bundled GGUF), read without loading
+    any weights."""
+    path = default_model_path() if model is None else Path(model)
+    if path.is_dir():
+        tok = _hf_tokenizer(path)  # it reads only tokenizer(_config).json
+        return tok, tok.vocab_size
+    from tidal.models.gguf_file import GGUFFile
+
+    meta = GGUFFile(path).metadata
+    return _gguf_tokenizer(meta), len(meta["tokenizer.ggml.tokens"])
 
 
 def _fuse_layer(w: dict[str, torch.Tensor], i: int, q, k, v, o, gate, up, down, in_norm, post_norm):
@@ -68,14 +82,16 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _load_gguf(path: Path) -> LoadedModel:
     import gguf
+    from gguf import GGMLQuantizationType as Q
 
-    reader = gguf.GGUFReader(str(path))
-    big = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
-    meta = {name: field.contents() for name, field in reader.fields.items() if name not in big}
+    from tidal.models.gguf_file import GGUFFile
+
+    file = GGUFFile(path)
+    meta = file.metadata
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"{path.name}: architecture {arch!r} is not supported (only llama)")
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = file.tensors
 
     def get(name: str) -> np.ndarray:
         t = tensors[name]
@@ -84,7 +100,7 @@ def _load_gguf(path: Path) -> LoadedModel:
 
     n_head, n_kv = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
     hidden = meta[f"{arch}.embedding_length"]
-    tok_field = reader.fields["tokenizer.ggml.tokens"].contents()
+    tok_field = meta["tokenizer.ggml.tokens"]
     eos = meta.get("tokenizer.ggml.eos_token_id")
     cfg = ModelConfig(
         vocab_size=meta.get(f"{arch}.vocab_size", len(tok_field)),
@@ -122,8 +138,9 @@ def _load_gguf(path: Path) -> LoadedModel:
         for param, parts in fused.items():
             if all(x is not None for x in parts):
                 codes[p + param] = tuple(torch.from_numpy(np.concatenate(c)) for c in zip(*parts))
-    return LoadedModel(cfg, w, _gguf_tokenizer(reader, meta, tok_field), meta.get("general.name", path.stem),
-                       codes)
+    head = tensors["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"]
+    return LoadedModel(cfg, w, _gguf_tokenizer(meta), meta.get("general.name", path.stem), codes,
+                       quantized_head=head.tensor_type not in (Q.F32, Q.F16, Q.BF16, Q.F64))
 
 
 def _q4_codes(t, n_head: int | None = None):
@@ -148,13 +165,13 @@ def _q4_codes(t, n_head: int | None = None):
     return codes, scale, minimum
 
 
-def _gguf_tokenizer(reader, meta: dict, tokens: list[str]) -> Tokenizer:
-    kind = reader.fields["tokenizer.ggml.model"].contents()
+def _gguf_tokenizer(meta: dict) -> Tokenizer:
+    kind = meta["tokenizer.ggml.model"]
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
-    types = reader.fields["tokenizer.ggml.token_type"].contents()
-    control = [i for i, ty in enumerate(types) if ty in (3, 4)]  # CONTROL, USER_DEFINED
-    merges = reader.fields["tokenizer.ggml.merges"].contents()
+    tokens = meta["tokenizer.ggml.tokens"]
+    control = [i for i, ty in enumerate(meta["tokenizer.ggml.token_type"]) if ty in (3, 4)]  # CONTROL, USER_DEFINED
+    merges = meta["tokenizer.ggml.merges"]
     return Tokenizer.from_bpe(tokens, merges, control, meta.get("tokenizer.chat_template"),
                               meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id"),
                               bool(meta.get("tokenizer.ggml.add_bos_token", False)))
@@ -204,10 +221,10 @@ def _load_hf_dir(path: Path) -> LoadedModel:
                     raw[a + "o_proj.weight"], raw[m + "gate_proj.weight"], raw[m + "up_proj.weight"],
                     raw[m + "down_proj.weight"], raw[p + "input_layernorm.weight"],
                     raw[p + "post_attention_layernorm.weight"])
-    return LoadedModel(cfg, w, _hf_tokenizer(path, cfg), hf.get("_name_or_path") or path.name)
+    return LoadedModel(cfg, w, _hf_tokenizer(path), hf.get("_name_or_path") or path.name)
 
 
-def _hf_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer:
+def _hf_tokenizer(path: Path) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
     if not (path / "tokenizer.json").is_file():
