@@ -10,6 +10,15 @@ import torch
 from tidal.models.loader import default_model_path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_dir(tmp_path_factory):
+    """Tests never read a start-up profile the user stored, nor leave one of theirs behind."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("tidal-cache")
+        mp.setenv("TIDAL_CACHE_DIR", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def llm():
     from tidal import LLM

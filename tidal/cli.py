@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
-from tidal.config import DTYPES
+from tidal.config import DTYPES, STARTUP_PROFILES
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -21,6 +22,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-schedule", default=None,
                    help='batch size to K, vLLM-style, e.g. "1-4:4,5-16:2,17-:0" (replaces --speculation)')
     p.add_argument("--draft-model", default=None, help="EAGLE-3 head directory (HF layout)")
+    p.add_argument("--startup-profile", default=None, choices=STARTUP_PROFILES,
+                   help="adaptive speculation's start-up timing of steps: auto reuses the one stored for "
+                        "this set-up or measures and stores it, if-cached never measures (default: "
+                        "auto for serve, if-cached for generate)")
     p.add_argument("--step-log", default=None,
                    help="append every measured step and draft proposal to this CSV (tidal sim --profile reads it)")
 
@@ -37,7 +42,8 @@ def _engine_kwargs(args) -> dict:
         mode = "schedule" if args.spec_schedule else args.speculation
         spec = SpecConfig(method, args.num_speculative_tokens or 4, draft_model=args.draft_model,
                           mode=mode, schedule=args.spec_schedule)
-    return dict(dtype=args.dtype, device=args.device, spec=spec, step_log=args.step_log)
+    profile = args.startup_profile or ("auto" if args.command == "serve" else "if-cached")
+    return dict(dtype=args.dtype, device=args.device, spec=spec, step_log=args.step_log, startup_profile=profile)
 
 
 def _generate(args) -> int:
@@ -212,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     add_tune_arguments(sub.add_parser("tune", help="batch-size-to-K schedules for tidal, vLLM and SGLang")
                        ).set_defaults(func=_tune)
     args = parser.parse_args(argv)
+    if args.command in ("generate", "serve"):  # start-up phases and the server's own lines
+        level = args.log_level.upper() if args.command == "serve" else logging.INFO
+        logging.basicConfig(level=level, format="%(name)s: %(message)s")
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:  # InvalidParameter and bad config values

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# auto: reuse the stored start-up profile of this set-up, else measure and store it; if-cached:
+# reuse a stored one, else none (the cost models learn from live steps); off: never profile
+STARTUP_PROFILES = ("auto", "if-cached", "off")
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     step_log: str | None = None  # append every measured step and draft proposal to this CSV file
+    startup_profile: str = "auto"  # one of STARTUP_PROFILES (adaptive speculation only)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.startup_profile not in STARTUP_PROFILES:
+            raise ValueError(f"startup_profile {self.startup_profile!r} is not one of {', '.join(STARTUP_PROFILES)}")

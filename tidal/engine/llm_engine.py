@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from tidal.config import EngineConfig, SpecConfig
+from tidal.engine import profile_cache
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.scheduler import Scheduler
@@ -29,6 +32,8 @@ from tidal.spec.policy import RequestView, SpecPolicy, parse_schedule
 
 # The EAGLE-3 head trained for the bundled model by `tidal train-drafter` (see its train_log.txt).
 DEFAULT_EAGLE3_HEAD = Path(__file__).resolve().parent.parent / "data" / "eagle3-smollm2-135m"
+
+log = logging.getLogger("tidal.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,6 +82,14 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+@contextmanager
+def _phase(name: str):
+    """Log one start-up phase with its seconds."""
+    start = time.perf_counter()
+    yield
+    log.info("start-up: %s %.2f s", name, time.perf_counter() - start)
+
+
 def make_drafter(spec: SpecConfig, runner: ModelRunner, target: str | None) -> Drafter | None:
     if spec.method == "ngram":
         return NgramDrafter(spec.ngram_min, spec.ngram_max)
@@ -100,20 +113,26 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = default_dtype(self.device) if config.dtype == "auto" else _DTYPES[config.dtype]
-        loaded = loader.load(config.model)
-        self.model_name = loaded.name
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        model = LlamaModel(loaded.config)
-        model.load_state_dict(loaded.weights, strict=True)
-        model.to(device=self.device, dtype=self.dtype)
-        if loaded.int4_codes and self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            model.attach_int4(loaded.int4_codes, self.dtype)  # torch's fast int4 kernel is bf16 on CPU
-        model.pack_dense()  # CPU bf16 only
-        self.runner = ModelRunner(model, config.cache, self.device, self.dtype, config.seed)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
-        self.drafter = make_drafter(config.spec, self.runner, config.model)
+        start = time.perf_counter()
+        with _phase("load"):
+            loaded = loader.load(config.model)
+            self.model_name = loaded.name
+            self.model_config = loaded.config
+            self.tokenizer = loaded.tokenizer
+            model = LlamaModel(loaded.config)
+            model.load_state_dict(loaded.weights, strict=True)
+            model.to(device=self.device, dtype=self.dtype)
+        with _phase("pack"):
+            if self.device.type == "cpu" and self.dtype == torch.bfloat16:  # torch's low-bit kernels' case
+                if loaded.int4_codes:
+                    model.attach_int4(loaded.int4_codes, self.dtype)
+                if loaded.quantized_head:
+                    model.attach_int8_head()
+            model.pack_dense()  # CPU bf16 only
+            self.runner = ModelRunner(model, config.cache, self.device, self.dtype, config.seed)
+            self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
+            self.scheduler = Scheduler(config.scheduler, self.block_manager)
+            self.drafter = make_drafter(config.spec, self.runner, config.model)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         int4 = any(layer.int4 for layer in model.layers)
@@ -124,9 +143,10 @@ class LLMEngine:
         self.step_log = StepLog(config.step_log, tuple(self.step_cost.knots)) if config.step_log else None
         self.k_histogram: dict[int, int] = {}  # how often each draft length was chosen, all steps
         self.policy = self._make_policy() if self.drafter is not None else None
-        self._profiling = False
-        if self.policy is not None and self.policy.mode == "adaptive":
-            self.profile()
+        self._profile_rows: dict[str, list] | None = None  # while profiling: what it measured
+        if self.policy is not None and self.policy.mode == "adaptive" and config.startup_profile != "off":
+            self._startup_profile()
+        log.info("start-up: ready %.2f s", time.perf_counter() - start)
 
     # ------------------------------------------------------------ requests
 
@@ -193,11 +213,8 @@ class LLMEngine:
         stats.seconds = time.perf_counter() - start
         # the draft bias needs a prediction per step (and so the fit's refits): not without a policy
         drafts = out.decode_drafts if self.policy is not None else None
-        self.step_cost.observe(stats.num_tokens, stats.num_seqs, context, stats.seconds, anchor=self._profiling,
-                               drafts=drafts, drafting=verifying)
-        if self.step_log is not None:
-            self.step_log.step(stats.num_tokens, stats.num_seqs, context, stats.seconds, self._profiling, drafts,
-                               stats.predicted_seconds, None if self.policy is None else verifying)
+        self._record_step(stats.num_tokens, stats.num_seqs, context, stats.seconds, drafts, verifying,
+                          stats.predicted_seconds)
         self.last_step_stats = stats
         gained = iter(results)
         outputs, decoding = [], []
@@ -247,9 +264,7 @@ class LLMEngine:
         start = time.perf_counter()
         drafts, probs = self.drafter.propose(seqs, ks)
         stats.draft_seconds = time.perf_counter() - start
-        self.draft_cost.observe(max(ks), sum(ks), catch_up, stats.draft_seconds, anchor=self._profiling)
-        if self.step_log is not None:
-            self.step_log.draft(max(ks), sum(ks), catch_up, stats.draft_seconds, self._profiling)
+        self._record_draft(max(ks), sum(ks), catch_up, stats.draft_seconds)
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
             seq.draft_token_ids = list(draft)
             seq.draft_probs = None if probs is None else probs[i]
@@ -269,6 +284,60 @@ class LLMEngine:
         max_k = max(k for *_, k in parse_schedule(spec.schedule)) if spec.schedule else spec.num_speculative_tokens
         return SpecPolicy(spec.mode, max_k, spec.schedule)
 
+    def _record_step(self, tokens: int, seqs: int, context: int, seconds: float, drafts: int | None,
+                     verifying: int, predicted: float | None = None) -> None:
+        """A measured target step into the step-cost fit (an anchor while profiling) and the step log."""
+        profiling = self._profile_rows is not None
+        if profiling:
+            self._profile_rows["steps"].append([tokens, seqs, context, seconds, drafts, verifying])
+        self.step_cost.observe(tokens, seqs, context, seconds, anchor=profiling, drafts=drafts, drafting=verifying)
+        if self.step_log is not None:
+            self.step_log.step(tokens, seqs, context, seconds, profiling, drafts, predicted,
+                               None if self.policy is None and not profiling else verifying)
+
+    def _record_draft(self, forwards: int, tokens: int, catch_up: int, seconds: float) -> None:
+        """A measured proposal into the draft-cost fit (an anchor while profiling) and the step log."""
+        profiling = self._profile_rows is not None
+        if profiling:
+            self._profile_rows["drafts"].append([forwards, tokens, catch_up, seconds])
+        self.draft_cost.observe(forwards, tokens, catch_up, seconds, anchor=profiling)
+        if self.step_log is not None:
+            self.step_log.draft(forwards, tokens, catch_up, seconds, profiling)
+
+    def _startup_profile(self) -> None:
+        """Anchor the cost models with the stored profile of this set-up, else (startup_profile
+        "auto") measure it and store it; "if-cached" runs on live steps alone when none is stored."""
+        key = profile_cache.profile_key(self._profile_identity())
+        stored = profile_cache.load(key)
+        if stored is None and self.config.startup_profile == "if-cached":
+            log.info("start-up: profile none stored; the cost models learn from live steps")
+            return
+        with _phase("profile" + (" (stored)" if stored else "")):
+            self._profile_rows = {"steps": [], "drafts": []}
+            try:
+                if stored is not None:
+                    for row in stored["steps"]:
+                        self._record_step(*row)
+                    for row in stored.get("drafts", []):
+                        self._record_draft(*row)
+                else:
+                    self.profile()
+                    profile_cache.save(key, self._profile_rows)
+            finally:
+                self._profile_rows = None
+
+    def _profile_identity(self) -> dict:
+        """What the stored profile must have been measured under (see profile_cache)."""
+        from tidal import __version__
+
+        c, spec = self.config, self.config.spec
+        head = (spec.draft_model or DEFAULT_EAGLE3_HEAD) if spec.method == "eagle3" else None
+        return {"model": profile_cache.file_identity(c.model or loader.default_model_path()),
+                "drafter": [spec.method, spec.ngram_min, spec.ngram_max, profile_cache.file_identity(head)],
+                "dtype": str(self.dtype), "device": str(self.device), "threads": torch.get_num_threads(),
+                "cache": [self.runner.num_blocks, self.runner.block_size], "scheduler": repr(c.scheduler),
+                "knots": self.step_cost.knots, "tidal": __version__, "torch": torch.__version__}
+
     def profile(self) -> None:
         """Seed the cost models with real steps over dummy requests at a few batch sizes and
         draft lengths (cost.profile_grid; a few seconds at start-up); they stay in the fits as
@@ -276,7 +345,7 @@ class LLMEngine:
         policy = self.policy
         greedy = SamplingParams(max_tokens=PROFILE_MAX_TOKENS, temperature=0, ignore_eos=True)
         prompt = [(7 * i) % 97 + 3 for i in range(8)] * (PROFILE_PROMPT_LEN // 8)  # repeats, so n-gram drafts too
-        self._profiling = True
+        rows, self._profile_rows = self._profile_rows, self._profile_rows or {"steps": [], "drafts": []}
         try:
             for n, k in profile_grid(self.block_manager.num_blocks * self.block_manager.block_size):
                 self.policy = SpecPolicy("fixed", k) if k else None
@@ -286,7 +355,7 @@ class LLMEngine:
                 while any(rid in self._requests for rid in ids):
                     self.step()
         finally:
-            self.policy, self._profiling = policy, False
+            self.policy, self._profile_rows = policy, rows
             self.last_step_stats = StepStats()
             self.k_histogram.clear()
 
