@@ -4,7 +4,7 @@ the oneDNN-packed dense bf16 weights."""
 import pytest
 import torch
 
-from tidal.layers.linear import Int4Weight, PackedWeight, linear
+from tidal.layers.linear import Int4Weight, Int8Weight, PackedWeight, linear
 from tidal.models import loader
 
 
@@ -45,7 +45,21 @@ def test_the_default_engine_packs_its_dense_weights_and_the_heads():
     assert model.packed_head is not None and set(model.layers[0].packed) == set(model.layers[0].int4)
     assert set(head.packed) == {"fc", "lm_head"} and len(head.mid.packed) == 4
     assert set(head.int4) == {"fc", "lm_head"} and len(head.mid.int4) == 4  # the target is 4-bit: so is the head
-    assert not LLM(dtype="float32", cache=CacheConfig(kv_cache_bytes=64 << 20)).engine.runner.model.packed_head
+    assert model.int8_head is not None  # the file's output head is Q8_0: read at 8 bits in one-token steps
+    fp32 = LLM(dtype="float32", cache=CacheConfig(kv_cache_bytes=64 << 20)).engine.runner.model
+    assert not fp32.packed_head and fp32.int8_head is None
+
+
+def test_int8_weight_stays_within_half_a_step_and_serves_one_row_only():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=g) * 0.05
+    q = Int8Weight.quantize(w)
+    back = q(torch.eye(96)).t()  # reads the rounded weight back, column by column
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    assert ((back - w).abs() <= step / 2 + 1e-6).all() and not torch.equal(back, w)
+    x = torch.randn(2, 96, generator=g)
+    assert torch.equal(linear(x[:1], w, int8=q), q(x[:1]))
+    assert torch.equal(linear(x, w, int8=q), torch.nn.functional.linear(x, w))  # two rows: the dense weight
 
 
 def test_rounding_a_dense_weight_to_int4_stays_within_half_a_step():

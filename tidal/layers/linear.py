@@ -26,6 +26,7 @@ INT4_MAX_TOKENS = 8
 # `benchmarks/int4_vs_dense.py`, two threads, 2026-12-04: 9.6, 10.1, 11.1, 11.7, 14.0, 14.5, 15.5 ms
 # at 1-6 and 8 tokens), so the step-cost model gets a knot there too
 INT4_ROW_TILE = 4
+INT8_MAX_TOKENS = 1
 GROUP_SIZE = 32
 
 
@@ -70,6 +71,26 @@ class Int4Weight:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
 
 
+@dataclass
+class Int8Weight:
+    """A weight rounded to int8 with one scale per output row, for torch's weight-only int8
+    kernel: half the bytes of bf16. That kernel beats the packed bf16 matmul only for a single
+    row (benchmarks/int4_vs_dense.py), so it serves one-token steps."""
+
+    codes: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor  # [N] in the activation dtype
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Int8Weight":
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        codes = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        return cls(codes, scale.to(weight.dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+
+
 class PackedWeight:
     """A CPU bf16 weight laid out once for oneDNN's matmul (what `F.linear` redoes every call)."""
 
@@ -96,9 +117,12 @@ def int4_copies(owner, names) -> dict[str, Int4Weight]:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, int4: Int4Weight | None = None,
-           packed: PackedWeight | None = None) -> torch.Tensor:
+           packed: PackedWeight | None = None, int8: Int8Weight | None = None) -> torch.Tensor:
+    """x @ weight.T through the fastest copy of the weight there is for x's row count."""
     if int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:
         return int4(x)
+    if int8 is not None and x.shape[0] <= INT8_MAX_TOKENS:
+        return int8(x)
     if packed is not None:
         return packed(x)
     return F.linear(x, weight)

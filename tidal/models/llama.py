@@ -12,7 +12,7 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.layers.attention import AttentionMetadata, paged_attention
-from tidal.layers.linear import Int4Weight, PackedWeight, linear, packed_copies
+from tidal.layers.linear import Int4Weight, Int8Weight, PackedWeight, linear, packed_copies
 from tidal.layers.norm import rms_norm
 from tidal.layers.rotary import apply_rope, rope_cache
 
@@ -82,6 +82,7 @@ class LlamaModel(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.packed_head: PackedWeight | None = None
+        self.int8_head: Int8Weight | None = None
         cos, sin = rope_cache(cfg.head_dim, cfg.max_model_len, cfg.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -91,6 +92,10 @@ class LlamaModel(nn.Module):
         for name, (q, scale, minimum) in codes.items():
             _, i, param = name.split(".")
             self.layers[int(i)].int4[param] = Int4Weight.from_codes(q, scale, minimum, dtype)
+
+    def attach_int8_head(self) -> None:
+        """An int8 copy of the output head for one-token steps (where the file stores it at 8 bits)."""
+        self.int8_head = Int8Weight.quantize(self.unembedding)
 
     def pack_dense(self) -> None:
         """oneDNN-packed copies of the dense weights (CPU bf16): the output head, used every
@@ -120,4 +125,4 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.unembedding, packed=self.packed_head).float()
+        return linear(hidden, self.unembedding, packed=self.packed_head, int8=self.int8_head).float()
