@@ -129,10 +129,13 @@ class LLMEngine:
                 if loaded.quantized_head:
                     model.attach_int8_head()
             model.pack_dense()  # CPU bf16 only
-            self.runner = ModelRunner(model, config.cache, self.device, self.dtype, config.seed)
+            self.runner = ModelRunner(model, config.cache, self.device, self.dtype, config.seed, config.compile)
             self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
             self.scheduler = Scheduler(config.scheduler, self.block_manager)
             self.drafter = make_drafter(config.spec, self.runner, config.model)
+        if config.compile:
+            with _phase("compile"):
+                self.runner.warm_up()
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         int4 = any(layer.int4 for layer in model.layers)
@@ -335,6 +338,7 @@ class LLMEngine:
         return {"model": profile_cache.file_identity(c.model or loader.default_model_path()),
                 "drafter": [spec.method, spec.ngram_min, spec.ngram_max, profile_cache.file_identity(head)],
                 "dtype": str(self.dtype), "device": str(self.device), "threads": torch.get_num_threads(),
+                "compiled": c.compile,
                 "cache": [self.runner.num_blocks, self.runner.block_size], "scheduler": repr(c.scheduler),
                 "knots": self.step_cost.knots, "tidal": __version__, "torch": torch.__version__}
 

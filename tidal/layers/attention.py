@@ -21,7 +21,8 @@ class AttentionGroup:
     kv_slots: torch.Tensor  # [B, K] cache slot of each key position (padding: 0)
     mask: torch.Tensor  # [B, 1, Q, K] True where the query may attend
     out_index: torch.Tensor  # [n] flat token index of the valid queries, in flat order
-    valid: torch.Tensor  # [B * Q] which padded query rows are real
+    rows: torch.Tensor  # [n] the padded query row (b * Q + j) of each of them
+    first: int | None = None  # set when the group is tokens first..first + B * Q in flat order, unpadded
 
 
 @dataclass
@@ -51,8 +52,8 @@ def paged_attention(
     num_tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     rep = heads // kv_heads
-    out = q.new_empty(num_tokens, heads * head_dim)
     flat_k, flat_v = k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1)
+    out = None
     for g in meta.groups:
         B, K = g.kv_slots.shape
         Q = g.token_index.shape[1]
@@ -61,9 +62,20 @@ def paged_attention(
         # decode than advanced indexing plus an fp32 SDPA with enable_gqa (measured, B=128).
         kg, vg = (x.index_select(0, g.kv_slots.flatten()).view(B, K, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
                   for x in (flat_k, flat_v))  # .to: the EAGLE head may run in fp32 over a bf16 cache
-        qg = q[g.token_index].view(B, Q, kv_heads, rep, head_dim).permute(0, 2, 3, 1, 4).reshape(B, kv_heads, rep * Q, head_dim)
+        # an unpadded group in flat order is a slice: no gather of its queries, no scatter of its outputs
+        qg = q[g.token_index] if g.first is None else q[g.first:g.first + B * Q]
+        qg = qg.reshape(B, Q, kv_heads, rep, head_dim).permute(0, 2, 3, 1, 4).reshape(B, kv_heads, rep * Q, head_dim)
         mask = g.mask.unsqueeze(2).expand(B, 1, rep, Q, K).reshape(B, 1, rep * Q, K)
         og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
         og = og.view(B, kv_heads, rep, Q, head_dim).permute(0, 3, 1, 2, 4).reshape(B * Q, heads * head_dim)
-        out.index_copy_(0, g.out_index, og[g.valid])
+        if g.first == 0 and B * Q == num_tokens:  # the whole step in one group, unpadded
+            return og
+        if len(g.out_index) == num_tokens:  # the whole step in one group
+            return og.index_select(0, g.rows)
+        if out is None:
+            out = q.new_empty(num_tokens, heads * head_dim)
+        if g.first is None:
+            out.index_copy_(0, g.out_index, og.index_select(0, g.rows))
+        else:
+            out[g.first:g.first + B * Q] = og
     return out

@@ -123,6 +123,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, int4: Int4Weight | None = None
         return int4(x)
     if int8 is not None and x.shape[0] <= INT8_MAX_TOKENS:
         return int8(x)
-    if packed is not None:
+    if packed is not None and not torch.compiler.is_compiling():  # inductor packs frozen weights itself
         return packed(x)
     return F.linear(x, weight)

@@ -49,10 +49,11 @@ class DecoderLayer(nn.Module):
         """Rotated queries [T, heads, D] and keys, values [T, kv_heads, D] of the normed input."""
         cfg = self.cfg
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = self._linear("qkv_proj", x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        return q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        qkv = self._linear("qkv_proj", x)
+        # queries and keys rotated in one call: a decode step is many small ops, not a few big ones
+        qk = apply_rope(qkv[:, :q_size + kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        return q, k, qkv[:, q_size + kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
 
     def finish(self, h, attn):
         """Residual add of the attention output [T, heads * D], then the MLP block."""
@@ -114,6 +115,11 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()):
         """Returns the final-normed hidden states [T, H] and the residual stream after each
         layer in `aux_layers` (the low/mid/high features EAGLE-3 drafts from)."""
+        return self.run(input_ids, positions, kv_caches, meta, aux_layers)
+
+    def run(self, input_ids, positions, kv_caches, meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()):
+        """`forward` without inference mode, which torch.compile cannot capture (it mutates the
+        KV cache); compiled steps run it under no_grad."""
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
         aux = []
@@ -125,4 +131,7 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.unembedding, packed=self.packed_head, int8=self.int8_head).float()
