@@ -202,7 +202,7 @@ def servers(bin_dir: Path, gguf: Path, threads: int, levels: list[int], tokens: 
     try:
         subprocess.run([sys.executable, "-m", "tidal.cli", "bench", "--target", f"llama-server={url}",
                         "--launch", "off,adaptive", "--launch-threads", str(threads),
-                        *(["--launch-args", "--compile", "--launch-timeout", "900"] if compiled else []),
+                        *(["--launch-args=--compile", "--launch-timeout", "900"] if compiled else []),
                         "--concurrency", ",".join(map(str, levels)), "--output-len", str(tokens),
                         "--repeats", str(repeats), "--output", str(out), "--no-progress"], check=True)
     finally:
@@ -255,7 +255,8 @@ def main() -> int:
           "| off / llama.cpp | adaptive / llama.cpp |")
     print("|---|---|---|---|---|---|---|")
     for t, where, peer, plain, adaptive in rows:
-        print(f"| {t} | {where} | {peer:.1f} | {plain:.1f} | {adaptive:.1f} | {plain / peer:.2f}x | {adaptive / peer:.2f}x |")
+        print(f"| {t} | {where} | {peer:.1f} | {plain:.1f} | {adaptive:.1f} | {plain / peer:.2f}x "
+              f"| {adaptive / peer:.2f}x |")
     return 0
 
 

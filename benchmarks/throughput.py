@@ -1,7 +1,7 @@
 """tidal vs transformers.generate on the same model and prompts, and tidal's decode step time
 next to a roofline estimate.
 
-    python benchmarks/throughput.py [--dtypes float32,bfloat16] [--output-tokens 64]
+    python benchmarks/throughput.py [--dtypes float32,bfloat16] [--output-tokens 64] [--steps-only] [--compile]
 
 Prints, per dtype: output tok/s at 1 request (requests one after another) and at N concurrent
 requests (transformers with static batching: one left-padded batch), with the ratio, the two
@@ -106,19 +106,45 @@ def _timed(fn):
     return time.perf_counter() - t
 
 
+def single_core_read_bandwidth() -> float:
+    """Bytes/s one thread reads (the sum of a 512 MiB tensor), best of five."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.ones(128 << 20, dtype=torch.float32)
+        return max(a.numel() * 4 / _timed(lambda: a.sum()) for _ in range(5))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def step_bytes(engine, batch, ctx) -> int:
+    """Bytes one decode step of `batch` tokens reads: every weight in the copy the step uses at
+    that batch (4-bit codes with their scales, the 8-bit head, or dense), and the KV cache."""
+    from tidal.layers.linear import INT4_MAX_TOKENS, INT8_MAX_TOKENS
+    from tidal.models.llama import PROJECTIONS
+
+    def nbytes(*tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    model, cfg = engine.runner.model, engine.model_config
+    total = nbytes(model.norm)
+    for layer in model.layers:
+        total += nbytes(layer.input_norm, layer.post_norm)
+        for name in PROJECTIONS:
+            q = layer.int4.get(name)
+            total += nbytes(q.packed, q.scales_zeros) if q and batch <= INT4_MAX_TOKENS else nbytes(getattr(layer, name))
+    head = model.int8_head
+    total += nbytes(head.codes, head.scales) if head and batch <= INT8_MAX_TOKENS else nbytes(model.unembedding)
+    return total + batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
+
+
 def roofline_ms(engine, batch, ctx, bw, flops):
     """max(bytes read / bandwidth, FLOPs / matmul rate) for one decode step of `batch` tokens."""
-    from tidal.layers.linear import INT4_MAX_TOKENS
-
-    cfg, e = engine.model_config, engine.dtype.itemsize
+    cfg = engine.model_config
     per_layer = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
                  + cfg.num_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size)
-    int4 = bool(engine.runner.model.layers[0].int4) and batch <= INT4_MAX_TOKENS
-    layer_bytes = cfg.num_layers * per_layer * ((0.5 + 2 * e / 32) if int4 else e)  # codes + scale/zero
-    head = cfg.vocab_size * cfg.hidden_size
-    kv_bytes = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * e
-    t_mem = (layer_bytes + head * e + kv_bytes) / bw
-    t_compute = 2 * (cfg.num_layers * per_layer + head) * batch / flops
+    t_mem = step_bytes(engine, batch, ctx) / bw
+    t_compute = 2 * (cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size) * batch / flops
     return max(t_mem, t_compute) * 1e3, "memory" if t_mem >= t_compute else "compute"
 
 
@@ -133,49 +159,63 @@ def main():
     ap.add_argument("--repeats", type=int, default=2, help="batches at the high concurrency")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--step-batches", default="1,8,32,128")
+    ap.add_argument("--steps-only", action="store_true", help="only the decode steps and roofline, no transformers")
+    ap.add_argument("--compile", action="store_true", help="tidal with compiled small steps")
     args = ap.parse_args()
     texts = chat_prompts()
     n = args.output_tokens
     print(f"# tidal vs transformers {_hf_version()}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {platform.machine()}; {n} output tokens per request")
     rates: dict[tuple[str, int], float] = {}
-    steps = []
+    steps, roof_lines = [], []
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
-        llm = LLM(dtype=name)
+        llm = LLM(dtype=name, compile=args.compile)
         prompts = [chat_ids(llm.tokenizer, t) for t in texts]
         single = prompts[: args.single_requests]
         many = (prompts * (1 + args.concurrency // len(prompts)))[: args.concurrency]
-        hf = load_hf(dtype)
-        gens = {TIDAL[name]: lambda p, k: tidal_generate(llm, p, k),
-                f"transformers {name}": lambda p, k: hf_generate(hf, p, k)}
-        for gen in gens.values():
-            gen(single[:1], 4)  # warm-up
-        for conc, sets in ((1, [[p] for p in single]), (args.concurrency, [many] * args.repeats)):
-            for label, rate in interleaved(gens, sets, n).items():
-                rates[label, conc] = rate
-                print(f"  {label}: {rate:.1f} tok/s at {conc}", flush=True)
-        del hf
+        if not args.steps_only:
+            hf = load_hf(dtype)
+            gens = {TIDAL[name]: lambda p, k: tidal_generate(llm, p, k),
+                    f"transformers {name}": lambda p, k: hf_generate(hf, p, k)}
+            for gen in gens.values():
+                gen(single[:1], 4)  # warm-up
+            for conc, sets in ((1, [[p] for p in single]), (args.concurrency, [many] * args.repeats)):
+                for label, rate in interleaved(gens, sets, n).items():
+                    rates[label, conc] = rate
+                    print(f"  {label}: {rate:.1f} tok/s at {conc}", flush=True)
+            del hf
         bw, flops = machine_rates(dtype)
         print(f"  measured {name}: copy bandwidth {bw / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s")
         for b in map(int, args.step_batches.split(",")):
             ms = decode_step_ms(llm, b)
             steps.append((TIDAL[name], b, ms, *roofline_ms(llm.engine, b, 64 + 12, bw, flops)))
+            if b == 1:
+                read, one_core = step_bytes(llm.engine, 1, 64 + 12), single_core_read_bandwidth()
+                roof_lines.append(f"{TIDAL[name]}, one request: {read / 1e6:.1f} MB read a token; in a "
+                                  f"{ms:.1f} ms step that is {read / ms / 1e6:.1f} GB/s; one core reads "
+                                  f"{one_core / 1e9:.1f} GB/s ({read / ms / 1e6 / (one_core / 1e9):.0%} of it)")
         del llm
+    print("\n" + "\n".join(roof_lines))
+    if rates:
+        print_rates(rates, args.concurrency)
+    print("\n| engine | batch | decode step ms (median) | roofline ms | bound | roofline / measured |")
+    print("|---|---|---|---|---|---|")
+    for label, b, ms, roof, bound in steps:
+        print(f"| {label} | {b} | {ms:.1f} | {roof:.1f} | {bound} | {roof / ms:.0%} |")
+
+
+def print_rates(rates: dict[tuple[str, int], float], concurrency: int) -> None:
     labels = list(dict.fromkeys(label for label, _ in rates))
     hf_labels = [x for x in labels if x.startswith("transformers")]
     ours = [x for x in labels if x.startswith("tidal")]
     print("\n| concurrency | " + " | ".join(f"{x} tok/s" for x in labels)
           + " | " + " | ".join(f"{x} / best transformers" for x in ours) + " |")
     print("|---" * (1 + len(labels) + len(ours)) + "|")
-    for conc in (1, args.concurrency):
+    for conc in (1, concurrency):
         best = max(rates[x, conc] for x in hf_labels)
         print(f"| {conc} | " + " | ".join(f"{rates[x, conc]:.1f}" for x in labels) + " | "
               + " | ".join(f"{rates[x, conc] / best:.2f}x" for x in ours) + " |")
-    print("\n| engine | batch | decode step ms (median) | roofline ms | bound | roofline / measured |")
-    print("|---|---|---|---|---|---|")
-    for label, b, ms, roof, bound in steps:
-        print(f"| {label} | {b} | {ms:.1f} | {roof:.1f} | {bound} | {roof / ms:.0%} |")
 
 
 def _hf_version():

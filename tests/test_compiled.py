@@ -2,7 +2,6 @@
 after start-up whatever the mix of small steps."""
 
 import pytest
-import torch
 
 from tidal import SamplingParams
 from tidal.config import CacheConfig, SpecConfig

@@ -102,7 +102,8 @@ class ModelRunner:
             kv_slots[b, : ctx[b]] = self._slots(seq, 0, int(ctx[b]))
         t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
         first = int(starts[0])
-        in_order = least == least_keys == 1 and bool(valid.all()) and np.array_equal(token_index.ravel(), np.arange(first, first + valid.size))
+        in_order = (least == least_keys == 1 and bool(valid.all())
+                    and np.array_equal(token_index.ravel(), np.arange(first, first + valid.size)))
         return AttentionGroup(token_index=t(token_index), kv_slots=t(kv_slots), mask=t(mask[:, None]),
                               out_index=t(token_index[valid]), rows=t(np.flatnonzero(valid)),
                               first=first if in_order else None)
