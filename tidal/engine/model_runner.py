@@ -211,7 +211,7 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Compile both graphs now (a one-token step; a step of 2..COMPILED_MAX_TOKENS tokens)
-        over throwaway sequences in the first cache blocks, before any request holds them. The
+        over placeholder sequences in the first cache blocks, before any request holds them. The
         sizes of the second differ from each other at capture, and duck shaping is off, so no
         two are taken for one (dynamo would guard on their equality)."""
         if self.compiled is None:
