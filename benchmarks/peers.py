@@ -29,6 +29,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+import httpx
+
 from tidal.engine.profile_cache import cache_dir
 
 PEER_PACKAGE = "llama-cpp-python"
@@ -178,8 +180,6 @@ def start_llama_server(bin_dir: Path, gguf: Path, threads: int, slots: int, ctx_
                                  "-c", str(slots * ctx_per_slot), "--no-webui"],
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    import httpx
-
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:

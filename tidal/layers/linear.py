@@ -75,7 +75,7 @@ class Int4Weight:
 class Int8Weight:
     """A weight rounded to int8 with one scale per output row, for torch's weight-only int8
     kernel: half the bytes of bf16. That kernel beats the packed bf16 matmul only for a single
-    row (benchmarks/int4_vs_dense.py), so it serves one-token steps."""
+    row, so it serves one-token steps."""
 
     codes: torch.Tensor  # int8 [N, K]
     scales: torch.Tensor  # [N] in the activation dtype
