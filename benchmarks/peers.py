@@ -103,7 +103,7 @@ from tidal.bench.datasets import chat_prompts
 from tidal.config import SpecConfig
 mode, tokens, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 spec = SpecConfig("eagle3", 4, mode="adaptive") if mode.startswith("adaptive") else SpecConfig()
-llm = LLM(spec=spec, compile=mode.endswith("compiled"))
+llm = LLM(spec=spec, enforce_eager=mode.endswith("eager"))
 params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
 llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=8, temperature=0))
 print("ready", flush=True)
@@ -143,10 +143,10 @@ class TidalOffline:
 
 
 
-def offline(bin_dir: Path, gguf: Path, threads: int, tokens: int, rounds: int, compiled: bool) -> dict[str, float]:
-    """Median tok/s at one request of llama-bench and of tidal off/adaptive (eager, and
-    compiled if asked), taking turns."""
-    modes = ["off", "adaptive"] + (["off compiled", "adaptive compiled"] if compiled else [])
+def offline(bin_dir: Path, gguf: Path, threads: int, tokens: int, rounds: int, eager: bool) -> dict[str, float]:
+    """Median tok/s at one request of llama-bench and of tidal off/adaptive (as served, and with
+    --enforce-eager if asked), taking turns."""
+    modes = ["off", "adaptive"] + (["off eager", "adaptive eager"] if eager else [])
     engines = {f"tidal {m}": TidalOffline(m, threads, tokens, rounds) for m in modes}
     peers = {"llama.cpp": False, "llama.cpp repacked": True}
     rates: dict[str, list[float]] = {n: [] for n in [*peers, *engines]}
@@ -195,14 +195,14 @@ def start_llama_server(bin_dir: Path, gguf: Path, threads: int, slots: int, ctx_
 
 
 def servers(bin_dir: Path, gguf: Path, threads: int, levels: list[int], tokens: int, repeats: int,
-            out: Path, compiled: bool) -> dict[tuple[str, int], float]:
+            out: Path) -> dict[tuple[str, int], float]:
     """tok/s of llama-server and tidal off/adaptive at each level, from one `tidal bench` run."""
     log = out.with_name(out.name + "-llama-server.log")
     proc, url = start_llama_server(bin_dir, gguf, threads, max(levels), 512, log)
     try:
         subprocess.run([sys.executable, "-m", "tidal.cli", "bench", "--target", f"llama-server={url}",
                         "--launch", "off,adaptive", "--launch-threads", str(threads),
-                        *(["--launch-args=--compile", "--launch-timeout", "900"] if compiled else []),
+                        "--launch-timeout", "900",  # a first start compiles its steps
                         "--concurrency", ",".join(map(str, levels)), "--output-len", str(tokens),
                         "--repeats", str(repeats), "--output", str(out), "--no-progress"], check=True)
     finally:
@@ -224,8 +224,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2, help="passes of the server sweep")
     ap.add_argument("--quick", action="store_true", help="one request only (offline and concurrency 1)")
     ap.add_argument("--output", default="bench-results/peers", help="prefix of the bench outputs and JSON")
-    ap.add_argument("--compile", action="store_true",
-                    help="tidal with --compile too offline, and its servers compiled")
+    ap.add_argument("--eager", action="store_true", help="tidal with --enforce-eager too, offline")
     args = ap.parse_args()
     from tidal.models.loader import default_model_path
 
@@ -237,17 +236,15 @@ def main() -> int:
     result: dict = {"llama_cpp": metadata.version(PEER_PACKAGE), "gguf": gguf.name, "offline": {}, "servers": {}}
     rows = []
     for t in map(int, args.threads.split(",")):
-        off = offline(bin_dir, gguf, t, args.output_len, args.rounds, args.compile)
+        off = offline(bin_dir, gguf, t, args.output_len, args.rounds, args.eager)
         result["offline"][t] = off
         for peer in ("llama.cpp", "llama.cpp repacked"):
-            for kind in ("", " compiled") if args.compile else ("",):
+            for kind in ("", " eager") if args.eager else ("",):
                 rows.append((t, f"offline 1, {peer}{kind}", off[peer], off[f"tidal off{kind}"],
                              off[f"tidal adaptive{kind}"]))
-        srv = servers(bin_dir, gguf, t, levels, args.output_len, args.repeats, out.with_name(f"{out.name}-t{t}"),
-                      args.compile)
+        srv = servers(bin_dir, gguf, t, levels, args.output_len, args.repeats, out.with_name(f"{out.name}-t{t}"))
         result["servers"][t] = {f"{n}@{c}": v for (n, c), v in srv.items()}
-        kind = " (tidal compiled)" if args.compile else ""
-        rows += [(t, f"server {c}{kind}", srv[("llama-server", c)], srv[("off", c)], srv[("adaptive", c)])
+        rows += [(t, f"server {c}", srv[("llama-server", c)], srv[("off", c)], srv[("adaptive", c)])
                  for c in levels]
     out.with_name(out.name + ".json").write_text(json.dumps(result, indent=1))
     print(f"\n# tidal vs llama.cpp {result['llama_cpp']} on {gguf.name}, {args.output_len} greedy tokens a request")

@@ -1,7 +1,7 @@
 """tidal vs transformers.generate on the same model and prompts, and tidal's decode step time
 next to a roofline estimate.
 
-    python benchmarks/throughput.py [--dtypes float32,bfloat16] [--output-tokens 64] [--steps-only] [--compile]
+    python benchmarks/throughput.py [--dtypes float32,bfloat16] [--output-tokens 64] [--steps-only] [--enforce-eager]
 
 Prints, per dtype: output tok/s at 1 request (requests one after another) and at N concurrent
 requests (transformers with static batching: one left-padded batch), with the ratio, the two
@@ -160,7 +160,7 @@ def main():
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--step-batches", default="1,8,32,128")
     ap.add_argument("--steps-only", action="store_true", help="only the decode steps and roofline, no transformers")
-    ap.add_argument("--compile", action="store_true", help="tidal with compiled small steps")
+    ap.add_argument("--enforce-eager", action="store_true", help="tidal without compiled small steps")
     args = ap.parse_args()
     texts = chat_prompts()
     n = args.output_tokens
@@ -170,7 +170,7 @@ def main():
     steps, roof_lines = [], []
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
-        llm = LLM(dtype=name, compile=args.compile)
+        llm = LLM(dtype=name, enforce_eager=args.enforce_eager)
         prompts = [chat_ids(llm.tokenizer, t) for t in texts]
         single = prompts[: args.single_requests]
         many = (prompts * (1 + args.concurrency // len(prompts)))[: args.concurrency]

@@ -23,7 +23,7 @@ def private_cache_dir(tmp_path_factory):
 def llm():
     from tidal import LLM
 
-    return LLM(dtype="float32")  # the oracle comparisons are made in fp32
+    return LLM(dtype="float32", enforce_eager=True)  # the oracle comparisons are made in fp32
 
 
 @pytest.fixture(scope="session")

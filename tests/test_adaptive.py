@@ -9,7 +9,7 @@ from tests.test_spec import REPEAT, repetitive_prompts
 
 
 def engine(path, **spec):
-    return LLM(str(path), dtype="float32", spec=SpecConfig(method="ngram", num_speculative_tokens=4, **spec),
+    return LLM(str(path), dtype="float32", enforce_eager=True, spec=SpecConfig(method="ngram", num_speculative_tokens=4, **spec),
                cache=CacheConfig(block_size=4, num_blocks=512)).engine
 
 
@@ -25,7 +25,7 @@ def run(eng, prompts, params=None):
 
 def test_adaptive_is_lossless_and_reports_its_choices(tiny_model_dir):
     ps = repetitive_prompts(8)
-    plain, _ = run(LLM(str(tiny_model_dir), dtype="float32").engine, ps)
+    plain, _ = run(LLM(str(tiny_model_dir), dtype="float32", enforce_eager=True).engine, ps)
     eng = engine(tiny_model_dir, mode="adaptive")
     assert eng.step_cost.predict(1, 1, 50) > 0  # seeded by the start-up profile
     outs, steps = run(eng, ps)
@@ -40,7 +40,7 @@ def test_step_log_has_each_steps_drafts_and_prediction(tiny_model_dir, tmp_path)
     from tidal.engine.step_log import read_step_log
 
     log = tmp_path / "steps.csv"
-    eng = LLM(str(tiny_model_dir), dtype="float32", spec=SpecConfig(method="ngram", num_speculative_tokens=4, mode="fixed"),
+    eng = LLM(str(tiny_model_dir), dtype="float32", enforce_eager=True, spec=SpecConfig(method="ngram", num_speculative_tokens=4, mode="fixed"),
               cache=CacheConfig(block_size=4, num_blocks=512), step_log=str(log)).engine
     _, steps = run(eng, repetitive_prompts(4))
     eng.step_log.close()

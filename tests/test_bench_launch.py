@@ -13,7 +13,7 @@ from tidal.engine.step_log import read_step_log
 
 def test_launch_measures_then_stops_the_servers(tiny_model_dir, tmp_path, capsys):
     prefix = tmp_path / "run"
-    rc = main(["bench", "--launch", "off,fixed:2", "--launch-args", f"--model {tiny_model_dir} --dtype float32",
+    rc = main(["bench", "--launch", "off,fixed:2", "--launch-args", f"--model {tiny_model_dir} --dtype float32 --enforce-eager",
                "--endpoint", "completions", "--concurrency", "1,2", "--num-prompts", "2", "--output-len", "8",
                "--warmup", "1", "--output", str(prefix)])
     assert rc == 0, capsys.readouterr().err

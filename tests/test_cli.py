@@ -8,7 +8,7 @@ from tidal.cli import main
 
 def test_generate_answers_on_the_bundled_model():
     out = subprocess.run([sys.executable, "-m", "tidal.cli", "generate", "What is the capital of France?",
-                          "--max-tokens", "16"], capture_output=True, text=True, timeout=300)
+                          "--max-tokens", "16", "--enforce-eager"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 

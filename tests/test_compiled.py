@@ -1,40 +1,100 @@
-"""The compiled decode/verify step: the same greedy tokens as the eager forward, and no compile
-after start-up whatever the mix of small steps."""
+"""Compiled decode/verify steps: the same greedy tokens as the eager forward whatever the mix of
+small steps; packages built once per set-up and loaded by later starts; a failed compile leaves
+the engine eager."""
+
+import logging
 
 import pytest
+import torch
 
 from tidal import SamplingParams
 from tidal.config import CacheConfig, SpecConfig
+from tidal.engine import model_runner
+from tidal.engine.compiled_step import InductorStep, PackagedStep
 from tidal.engine.llm_engine import LLM
 from tests.test_spec import REPEAT, repetitive_prompts
 
+NGRAM = SpecConfig(method="ngram", num_speculative_tokens=3, mode="fixed")
 
-def compiles() -> int:
+
+def tiny(path, **kw) -> LLM:
+    return LLM(str(path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=512), spec=NGRAM, **kw)
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model_dir):
+    return tiny(tiny_model_dir)
+
+
+def frames() -> int:
     from torch._dynamo.utils import counters
 
     return sum(counters["frames"].values()) if "frames" in counters else 0
 
 
-def test_compiled_steps_match_eager_greedy_on_the_tiny_model(tiny_model_dir):
-    """Plain decode at 1..6 requests and n-gram verification (drafts of 1..4 tokens beside
-    plain decoding, padded in one group) all go through the two graphs captured at start-up."""
-    spec = SpecConfig(method="ngram", num_speculative_tokens=3, mode="fixed")
-    kw = dict(dtype="float32", cache=CacheConfig(block_size=4, num_blocks=512), spec=spec)
-    eager = LLM(str(tiny_model_dir), **kw)
-    compiled = LLM(str(tiny_model_dir), compile=True, **kw)
-    after_warm_up = compiles()
-    assert after_warm_up >= 2  # the two graphs
+def assert_matches_eager(tiny_model_dir, llm: LLM) -> None:
+    """Plain decode at 1..6 requests and n-gram verification (drafts of 1..4 tokens beside plain
+    decoding, padded in one group)."""
+    eager = tiny(tiny_model_dir, enforce_eager=True)
     prompts = repetitive_prompts(6)
     for n in (1, 2, 6):
         want = eager.generate(prompts[:n], [REPEAT] * n)
-        got = compiled.generate(prompts[:n], [REPEAT] * n)
+        got = llm.generate(prompts[:n], [REPEAT] * n)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert compiles() == after_warm_up
+
+
+def test_packaged_steps_match_eager_greedy_on_the_tiny_model(tiny_model_dir, compiled, monkeypatch):
+    step = compiled.engine.runner.compiled
+    assert isinstance(step, PackagedStep)
+    calls = {g: 0 for g in step.graphs}
+    for g, run in list(step.graphs.items()):
+        monkeypatch.setitem(step.graphs, g, lambda *a, g=g, run=run: (calls.__setitem__(g, calls[g] + 1), run(*a))[1])
+    assert_matches_eager(tiny_model_dir, compiled)
+    assert calls["one"] > 0 and calls["many"] > 0
+
+
+def test_a_second_start_loads_the_packages_and_other_threads_compile_anew(tiny_model_dir, compiled, monkeypatch):
+    jobs = []
+    monkeypatch.setattr(model_runner, "_run_workers", lambda js: (jobs.extend(js), model_runner._run_workers(js))[1])
+    assert isinstance(tiny(tiny_model_dir).engine.runner.compiled, PackagedStep)
+    assert jobs == []
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(model_runner, "_run_workers", lambda js: jobs.extend(js))  # records, builds nothing
+    torch.set_num_threads(threads + 1)
+    try:
+        tiny(tiny_model_dir)
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(j["graph"] for j in jobs) == ["many", "one"] and {j["threads"] for j in jobs} == {threads + 1}
+
+
+def test_a_failed_compile_leaves_the_engine_eager(tiny_model_dir, monkeypatch, caplog):
+    def fail(jobs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(model_runner, "_run_workers", fail)
+    monkeypatch.setattr(model_runner, "_source_digest", lambda: "another")  # nothing cached under this key
+    with caplog.at_level(logging.WARNING, logger="tidal.engine"):
+        llm = tiny(tiny_model_dir)
+    assert llm.engine.runner.compiled is None and "no C++ compiler" in caplog.text
+    assert len(llm.generate(["hello"], SamplingParams(max_tokens=4))[0].token_ids) == 4
+
+
+def test_inductor_steps_match_eager_and_never_recompile(tiny_model_dir, monkeypatch):
+    """The CUDA mechanism (torch.compile, two graphs captured at start-up), run on the CPU."""
+    monkeypatch.setattr(model_runner, "PACKAGED_DEVICES", ())
+    llm = tiny(tiny_model_dir)
+    assert isinstance(llm.engine.runner.compiled, InductorStep)
+    after_warm_up = frames()
+    assert after_warm_up >= 2  # the two graphs
+    assert_matches_eager(tiny_model_dir, llm)
+    assert frames() == after_warm_up
 
 
 @pytest.mark.slow
 def test_compiled_steps_match_eager_greedy_on_the_bundled_model():
-    eager, compiled = LLM(dtype="float32"), LLM(dtype="float32", compile=True)
+    eager, compiled = LLM(dtype="float32", enforce_eager=True), LLM(dtype="float32")
+    assert compiled.engine.runner.compiled is not None
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
     for n in (1, 3):

@@ -76,7 +76,8 @@ GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
 
 def make(target, head_dir=None, k=4, num_blocks=512):
     spec = SpecConfig("eagle3", k, draft_model=str(head_dir)) if head_dir else SpecConfig()
-    return LLM(str(target), dtype="float32", spec=spec, cache=CacheConfig(block_size=4, num_blocks=num_blocks))
+    return LLM(str(target), dtype="float32", enforce_eager=True, spec=spec,
+               cache=CacheConfig(block_size=4, num_blocks=num_blocks))
 
 
 def test_random_head_is_lossless(eagle_setup):
@@ -166,7 +167,8 @@ def test_paused_requests_features_do_not_keep_whole_steps_alive(eagle_setup, mon
     from tidal.spec.eagle import MAX_PENDING_VIEWS, pins_more
     target, head_dir = eagle_setup
     spec = SpecConfig("eagle3", 4, draft_model=str(head_dir), mode="schedule", schedule="1-1:4,2-:0")
-    eng = LLM(str(target), dtype="float32", spec=spec, cache=CacheConfig(block_size=4, num_blocks=512)).engine
+    eng = LLM(str(target), dtype="float32", enforce_eager=True, spec=spec,
+              cache=CacheConfig(block_size=4, num_blocks=512)).engine
     shadow: list[torch.Tensor] = []
     real_observe = Eagle3Drafter.observe
 

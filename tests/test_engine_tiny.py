@@ -21,7 +21,7 @@ def prompts(n, seed=0):
 def engine(path, **kw):
     cache = CacheConfig(block_size=4, num_blocks=kw.pop("num_blocks", 512))
     sched = SchedulerConfig(**kw)
-    return LLM(str(path), dtype="float32", cache=cache, scheduler=sched)
+    return LLM(str(path), dtype="float32", enforce_eager=True, cache=cache, scheduler=sched)
 
 
 def test_hf_dir_logits_match_transformers(tmp_path):

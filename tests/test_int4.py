@@ -40,13 +40,13 @@ def test_the_default_engine_packs_its_dense_weights_and_the_heads():
     from tidal import LLM
     from tidal.config import CacheConfig, SpecConfig
 
-    llm = LLM(spec=SpecConfig("eagle3", 2), cache=CacheConfig(kv_cache_bytes=64 << 20))
+    llm = LLM(spec=SpecConfig("eagle3", 2), enforce_eager=True, cache=CacheConfig(kv_cache_bytes=64 << 20))
     model, head = llm.engine.runner.model, llm.engine.drafter.head
     assert model.packed_head is not None and set(model.layers[0].packed) == set(model.layers[0].int4)
     assert set(head.packed) == {"fc", "lm_head"} and len(head.mid.packed) == 4
     assert set(head.int4) == {"fc", "lm_head"} and len(head.mid.int4) == 4  # the target is 4-bit: so is the head
     assert model.int8_head is not None  # the file's output head is Q8_0: read at 8 bits in one-token steps
-    fp32 = LLM(dtype="float32", cache=CacheConfig(kv_cache_bytes=64 << 20)).engine.runner.model
+    fp32 = LLM(dtype="float32", enforce_eager=True, cache=CacheConfig(kv_cache_bytes=64 << 20)).engine.runner.model
     assert not fp32.packed_head and fp32.int8_head is None
 
 
@@ -94,7 +94,7 @@ def test_bf16_int4_default_agrees_with_transformers_fp32(hf_model):
     from tidal import LLM, SamplingParams
     from tests.test_llama_vs_hf import PROMPTS, chat_ids
 
-    llm = LLM()  # the default: bf16 with packed 4-bit weights on this CPU
+    llm = LLM(enforce_eager=True)  # the default: bf16 with packed 4-bit weights on this CPU
     assert llm.engine.dtype == torch.bfloat16 and llm.engine.runner.model.layers[0].int4
     prompts = [chat_ids(llm, t) for t in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))

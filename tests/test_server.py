@@ -43,7 +43,7 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "tidal.cli", "serve", "--dtype", "float32", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "tidal.cli", "serve", "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1",
                "--port", str(self.port), "--no-access-log", *args]
         full_env = {k: v for k, v in os.environ.items() if k != "TIDAL_API_KEY"} | (env or {})
         # one compute thread: the server shares two cores with this process's clients, and

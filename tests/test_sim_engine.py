@@ -32,7 +32,7 @@ def run_closed_loop(eng) -> None:
 
 def engine_steps(model_dir, log_path) -> tuple[list[tuple[int, int, int]], tuple[int, ...]]:
     """The engine's step shapes, read back from its --step-log file, and its step-cost knots."""
-    llm = LLM(str(model_dir), dtype="float32", cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS), scheduler=SCHEDULER,
+    llm = LLM(str(model_dir), dtype="float32", enforce_eager=True, cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS), scheduler=SCHEDULER,
               step_log=str(log_path))
     run_closed_loop(llm.engine)
     llm.engine.step_log.close()
@@ -127,7 +127,7 @@ def test_simulated_speculation_equals_the_engines(tiny_model_dir, mode, monkeypa
 
     spec_mode = parse_modes(mode)[0]
     spec = SpecConfig("ngram", spec_mode.max_k, mode=spec_mode.mode, schedule=spec_mode.schedule)
-    llm = LLM(str(tiny_model_dir), dtype="float32", cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS),
+    llm = LLM(str(tiny_model_dir), dtype="float32", enforce_eager=True, cache=CacheConfig(BLOCK_SIZE, NUM_BLOCKS),
               scheduler=SCHEDULER, spec=spec)
     continuation = llm.generate([[1] * INPUT_LEN], SamplingParams(max_tokens=OUTPUT_LEN + 8, temperature=0,
                                                                   ignore_eos=True))[0].token_ids

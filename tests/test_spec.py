@@ -84,7 +84,7 @@ def repetitive_prompts(n):
 
 
 def tiny(path, spec="none", num_blocks=512, max_num_batched_tokens=2048):
-    return LLM(str(path), dtype="float32", spec=SpecConfig(method=spec, num_speculative_tokens=4),
+    return LLM(str(path), dtype="float32", enforce_eager=True, spec=SpecConfig(method=spec, num_speculative_tokens=4),
                cache=CacheConfig(block_size=4, num_blocks=num_blocks),
                scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens))
 
@@ -170,7 +170,7 @@ def test_greedy_is_lossless_on_the_bundled_model(spec_prompts, plain_outputs, ra
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     plain = plain_outputs
     draft = random_bundled_head if method == "eagle3" else None
-    spec = LLM(dtype="float32", spec=SpecConfig(method=method, num_speculative_tokens=4, draft_model=draft))
+    spec = LLM(dtype="float32", enforce_eager=True, spec=SpecConfig(method=method, num_speculative_tokens=4, draft_model=draft))
     alone = [spec.generate([p], params)[0].token_ids for p in spec_prompts]
     assert alone == plain
     eng = spec.engine

@@ -44,7 +44,7 @@ def profiles(monkeypatch):
 def adaptive(path, **kw) -> LLM:
     """An adaptive n-gram engine on the tiny model."""
     spec = SpecConfig(method="ngram", num_speculative_tokens=4, mode="adaptive")
-    return LLM(str(path), dtype="float32", spec=spec, cache=CacheConfig(block_size=4, num_blocks=512), **kw)
+    return LLM(str(path), dtype="float32", enforce_eager=True, spec=spec, cache=CacheConfig(block_size=4, num_blocks=512), **kw)
 
 
 def test_start_up_profile_is_stored_and_reused_per_set_up(tiny_model_dir, profiles, monkeypatch, tmp_path):

@@ -83,7 +83,7 @@ def test_sampled_answers_are_seeded_and_not_the_greedy_ones():
     from tidal import LLM
     from tidal.config import CacheConfig
 
-    llm = LLM(cache=CacheConfig(kv_cache_bytes=64 << 20))  # the bundled model: it has a chat template
+    llm = LLM(enforce_eager=True, cache=CacheConfig(kv_cache_bytes=64 << 20))  # the bundled model: it has a chat template
     texts = ["Name a colour.", "Write a word that rhymes with cat.", "Say something about rivers."]
     greedy = target_answers(llm, texts, 12)
     sampled = target_answers(llm, texts, 12, temperature=1.0, seed=3)

@@ -26,9 +26,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="adaptive speculation's start-up timing of steps: auto reuses the one stored for "
                         "this set-up or measures and stores it, if-cached never measures (default: "
                         "auto for serve, if-cached for generate)")
-    p.add_argument("--compile", action="store_true",
-                   help="run decode and verify steps of up to 8 tokens through torch.compile (inductor, "
-                        "CUDA graphs on a GPU): faster steps at few requests, 1-2 minutes more start-up")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly; by default decode and verify steps of up to 8 tokens run "
+                        "compiled (about a minute to compile the first time a model, dtype and thread count "
+                        "are used, then loaded from the cache in about a second)")
     p.add_argument("--step-log", default=None,
                    help="append every measured step and draft proposal to this CSV (tidal sim --profile reads it)")
 
@@ -47,7 +48,7 @@ def _engine_kwargs(args) -> dict:
                           mode=mode, schedule=args.spec_schedule)
     profile = args.startup_profile or ("auto" if args.command == "serve" else "if-cached")
     return dict(dtype=args.dtype, device=args.device, spec=spec, step_log=args.step_log, startup_profile=profile,
-                compile=args.compile)
+                enforce_eager=args.enforce_eager)
 
 
 def _generate(args) -> int:

