@@ -12,12 +12,11 @@ keys, sampled rows, cache slots). Both take the step as one padded attention gro
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch._inductor import config as inductor_config
-from torch.export import Dim
 
 from tidal.layers.attention import AttentionGroup, AttentionMetadata
 from tidal.layers.linear import INT4_MAX_TOKENS
@@ -63,6 +62,8 @@ def flat_args(input_ids, positions, meta: AttentionMetadata, rows, kv: tuple) ->
 def dynamic_shapes(graph: str, num_kv: int) -> tuple:
     """Which sizes of StepGraph's arguments vary between steps, and how they are tied (export
     takes the caches, StepGraph's `*kv`, as one tuple)."""
+    from torch.export import Dim
+
     keys, slots = Dim("keys", min=2), Dim("slots", min=2)
     kv = tuple({0: slots} for _ in range(num_kv))
     if graph == "one":
@@ -75,18 +76,40 @@ def dynamic_shapes(graph: str, num_kv: int) -> tuple:
 def compile_package(module: StepGraph, args: tuple, graph: str, path: Path) -> None:
     """Export `module` at the example `args` and compile it to an AOTInductor package at `path`,
     written whole or not at all."""
+    from torch._inductor import aoti_compile_and_package
+
     with torch.no_grad():
         program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(graph, len(args) - 9), strict=False)
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
-        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=PACKAGE_CONFIG)
+        aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=PACKAGE_CONFIG)
     tmp.replace(path)
+
+
+_isa_probe: threading.Thread | None = None
+
+
+def probe_cpu_isa() -> None:
+    """Start inductor's probe of the CPU's vector ISA in a thread. Loading a package needs it, and
+    it builds and loads a test program per ISA (about a second), so it is started before the
+    weights load and overlaps them."""
+    global _isa_probe
+    if _isa_probe is None:
+        # imported here, not in the thread: an import holds the GIL, and would slow the weights' load
+        from torch._inductor.cpu_vec_isa import valid_vec_isa_list  # cached once answered
+
+        _isa_probe = threading.Thread(target=valid_vec_isa_list, name="tidal-isa-probe", daemon=True)
+        _isa_probe.start()
 
 
 class PackagedStep:
     """The two graphs, loaded from their packages."""
 
     def __init__(self, paths: dict[str, Path], kv_caches: list[tuple]):
-        self.graphs = {g: torch._inductor.aoti_load_package(str(p)) for g, p in paths.items()}
+        if _isa_probe is not None:
+            _isa_probe.join()  # one probe, not two racing
+        from torch._inductor import aoti_load_package
+
+        self.graphs = {g: aoti_load_package(str(p)) for g, p in paths.items()}
         self.kv = tuple(t for pair in kv_caches for t in pair)
 
     def __call__(self, input_ids, positions, meta: AttentionMetadata, rows) -> tuple[torch.Tensor, list]:
@@ -121,5 +144,7 @@ class InductorStep:
                             (g.mask, [0, 2]), (g.out_index, [0]), (g.rows, [0])) if many else ()):
                 torch._dynamo.mark_dynamic(t, dims)
         # a config, not a torch.compile option: options cannot go with a mode
+        from torch._inductor import config as inductor_config
+
         with inductor_config.patch(freezing=True):
             return self.fn(self.model, input_ids, positions, self.kv_caches, meta, rows, self.aux_layers)

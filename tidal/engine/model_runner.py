@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,18 @@ def kv_cache_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) 
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on the CPU from calloc (numpy), whose pages the OS zeroes on first touch,
+    so a large KV cache costs nothing at start-up and only the memory the requests use. Aligned
+    to 64 bytes, as torch's own allocator aligns (compiled kernels may rely on it)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * dtype.itemsize
+    raw = np.zeros(size + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64
+    return torch.from_numpy(raw[start:start + size]).view(dtype).view(shape)
+
+
 class ModelRunner:
     """Owns the model, its KV cache and the per-request sampling generators."""
 
@@ -63,8 +76,8 @@ class ModelRunner:
             1, cache.kv_cache_bytes // kv_cache_block_bytes(self.cfg, cache.block_size, dtype))
         slots = self.num_blocks * self.block_size
         shape = (slots, self.cfg.num_kv_heads, self.cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(self.cfg.num_layers)]
+        self.kv_caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
+                          for _ in range(self.cfg.num_layers)]
         self._rng = np.random.default_rng(seed)
         self.aux_layers: tuple[int, ...] = ()  # target layers whose outputs a drafter needs
 

@@ -6,9 +6,9 @@ The bundled default is SmolLM2-135M-Instruct, the GGUF file inside the `llm-smol
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -52,11 +52,14 @@ def pack_model(model: LlamaModel, loaded: LoadedModel, device: torch.device, dty
 
 
 def default_model_path() -> Path:
-    """The bundled GGUF file, found through the installed package, never by a fixed path."""
-    path = resources.files(DEFAULT_MODEL_PACKAGE) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in package {DEFAULT_MODEL_PACKAGE}")
-    return Path(str(path))
+    """The bundled GGUF file, found through the installed package, never by a fixed path (and
+    without importing the package, which imports the `llm` tool)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    for directory in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(directory) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} not found in package {DEFAULT_MODEL_PACKAGE}")
 
 
 def load(model: str | None) -> LoadedModel:
@@ -112,10 +115,25 @@ def _load_gguf(path: Path) -> LoadedModel:
         raise ValueError(f"{path.name}: architecture {arch!r} is not supported (only llama)")
     tensors = file.tensors
 
-    def get(name: str) -> np.ndarray:
+    read4 = {}  # name -> its 4-bit codes, read once for both the dense weight and the int4 copy
+
+    def codes_of(name: str, heads: int | None = None):
+        if name not in read4:
+            read4[name] = _q4_codes(tensors[name], heads)
+        return read4[name]
+
+    def get(name: str, heads: int | None = None) -> np.ndarray:
+        """The tensor in float32 (Q/K rows un-permuted with `heads`)."""
         t = tensors[name]
+        c = codes_of(name, heads)
+        if c is not None:  # 4-bit: from the codes, as gguf dequantizes them (d * q + m), whole
+            codes, scale, minimum = c
+            n, k = codes.shape
+            blocks = codes.reshape(n, k // 32, 32).astype(np.float32) * scale[..., None] + minimum[..., None]
+            return blocks.reshape(n, k)
         a = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        return a if a.flags.writeable else a.copy()  # F32 tensors come back as views of the mmap
+        a = a if a.flags.writeable else a.copy()  # F32 tensors come back as views of the mmap
+        return a if heads is None else _unpermute(a, heads)
 
     n_head, n_kv = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
     hidden = meta[f"{arch}.embedding_length"]
@@ -142,15 +160,15 @@ def _load_gguf(path: Path) -> LoadedModel:
         w["lm_head"] = t(get("output.weight"))
     for i in range(cfg.num_layers):
         b = f"blk.{i}."
-        _fuse_layer(w, i, t(_unpermute(get(b + "attn_q.weight"), n_head)),
-                    t(_unpermute(get(b + "attn_k.weight"), n_kv)), t(get(b + "attn_v.weight")),
+        _fuse_layer(w, i, t(get(b + "attn_q.weight", n_head)),
+                    t(get(b + "attn_k.weight", n_kv)), t(get(b + "attn_v.weight")),
                     t(get(b + "attn_output.weight")), t(get(b + "ffn_gate.weight")),
                     t(get(b + "ffn_up.weight")), t(get(b + "ffn_down.weight")),
                     t(get(b + "attn_norm.weight")), t(get(b + "ffn_norm.weight")))
     codes = {}
     for i in range(cfg.num_layers):
         b, p = f"blk.{i}.", f"layers.{i}."
-        q4 = lambda name, heads=None: _q4_codes(tensors[b + name], heads)  # noqa: E731
+        q4 = lambda name, heads=None: codes_of(b + name, heads)  # noqa: E731
         fused = {"qkv_proj": [q4("attn_q.weight", n_head), q4("attn_k.weight", n_kv), q4("attn_v.weight")],
                  "o_proj": [q4("attn_output.weight")], "gate_up_proj": [q4("ffn_gate.weight"), q4("ffn_up.weight")],
                  "down_proj": [q4("ffn_down.weight")]}
