@@ -178,3 +178,33 @@ def test_serve_rejects_bad_options_before_loading(capsys):
 
     assert main(["serve", "--max-waiting", "0"]) == 2
     assert "--max-waiting" in capsys.readouterr().err
+
+
+def test_engine_built_and_stepped_on_one_compute_thread():
+    """`tidal serve` builds the engine on its compute thread; the app steps it on that thread."""
+    import threading
+
+    from tidal.server.async_engine import ComputeThread
+
+    compute = ComputeThread()
+    built_on = threading.get_ident()
+
+    class Recording(FakeEngine):
+        def __init__(self):
+            nonlocal built_on
+            built_on = threading.get_ident()
+            super().__init__()
+            self.stepped_on = set()
+
+        def step(self):
+            self.stepped_on.add(threading.get_ident())
+            return super().step()
+
+    engine = compute.submit(Recording).result()
+    with TestClient(build_app(engine, model_name=MODEL, compute=compute)) as client:
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+    assert built_on == compute.thread.ident != threading.get_ident()
+    assert engine.stepped_on == {compute.thread.ident}
+    with pytest.raises(ValueError, match="bad"):  # a job's exception reaches whoever waits on it
+        compute.submit(int, "bad").result()

@@ -73,14 +73,17 @@ def _serve(args) -> int:
     from tidal.engine.llm_engine import LLMEngine
     from tidal.models.loader import DEFAULT_MODEL_FILE
     from tidal.server import build_app, serve
+    from tidal.server.async_engine import ComputeThread
 
     if args.max_waiting < 1 or args.shutdown_timeout < 0:
         raise ValueError("--max-waiting must be >= 1 and --shutdown-timeout >= 0")
     api_key = args.api_key or os.environ.get("TIDAL_API_KEY") or None
     name = args.served_model_name or (args.model and Path(args.model).name) or DEFAULT_MODEL_FILE.split(".")[0]
     scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    engine = LLMEngine(EngineConfig(**{"model": args.model, **_engine_kwargs(args), "scheduler": scheduler}))
-    app = build_app(engine, model_name=name, api_key=api_key, max_waiting=args.max_waiting)
+    config = EngineConfig(**{"model": args.model, **_engine_kwargs(args), "scheduler": scheduler})
+    compute = ComputeThread()  # builds the engine and steps it: all torch work on one thread
+    engine = compute.submit(LLMEngine, config).result()
+    app = build_app(engine, model_name=name, api_key=api_key, max_waiting=args.max_waiting, compute=compute)
     serve(app, args.host, args.port, shutdown_grace_s=args.shutdown_timeout,
           log_level=args.log_level, access_log=not args.no_access_log)
     return 0

@@ -22,7 +22,7 @@ from tidal import __version__
 from tidal.engine.llm_engine import LLMEngine, RequestOutput
 from tidal.sampling_params import InvalidParameter, SamplingParams
 from tidal.server import protocol as p
-from tidal.server.async_engine import AsyncEngine, EngineDead, RequestStream
+from tidal.server.async_engine import AsyncEngine, ComputeThread, EngineDead, RequestStream
 from tidal.server.metrics import ServerMetrics
 
 log = logging.getLogger("tidal.server")
@@ -77,11 +77,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(engine: LLMEngine, *, model_name: str, api_key: str | None = None,
-              max_waiting: int = 1024) -> FastAPI:
+              max_waiting: int = 1024, compute: ComputeThread | None = None) -> FastAPI:
     """The app. It owns its AsyncEngine (started and stopped with the app's lifespan) and its
-    metrics registry, so two apps in one process share nothing."""
+    metrics registry, so two apps in one process share nothing. `compute`: the thread that
+    built `engine`, to step it on too."""
     metrics = ServerMetrics(model_name)
-    aengine = AsyncEngine(engine, metrics)
+    aengine = AsyncEngine(engine, metrics, compute)
 
     @asynccontextmanager
     async def lifespan(_app):
