@@ -35,10 +35,8 @@ from tidal.spec.verify import verify_greedy, verify_sampled
 SHORT_QUERY_LEN = 16
 # ...but padding multiplies short queries too: one request verifying 4 drafts pads 31 decoding
 # ones to 5 queries each. So the one-token sequences get a call of their own once that padding
-# would reach this many query rows; below it a second call's fixed cost wins. Attention alone, 30
-# layers of the bundled model's shapes, two threads (throwaway timing, 2026-12-04): 32 sequences
-# with one K=4 draft 48 ms in one call, 30 ms in two, 27 ms without the draft; 2 sequences with
-# one K=2 draft 3.4-3.9 ms in one, 4.6-5.1 ms in two.
+# would reach this many query rows; below it a second call's fixed cost wins (timings: the
+# commit that set it).
 SPLIT_PAD_ROWS = 8
 
 log = logging.getLogger("tidal.engine")
