@@ -74,10 +74,13 @@ class ModelRunner:
             1, cache.kv_cache_bytes // kv_cache_block_bytes(self.cfg, cache.block_size, dtype))
         slots = self.num_blocks * self.block_size
         shape = (slots, self.cfg.num_kv_heads, self.cfg.head_dim)
-        self.kv_caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
-                          for _ in range(self.cfg.num_layers)]
+        self.kv_caches = [(self.cache_zeros(shape), self.cache_zeros(shape)) for _ in range(self.cfg.num_layers)]
         self._rng = np.random.default_rng(seed)
         self.aux_layers: tuple[int, ...] = ()  # target layers whose outputs a drafter needs
+
+    def cache_zeros(self, shape: tuple) -> torch.Tensor:
+        """A zeroed cache tensor in the KV dtype (the target's, and a drafter's own cache)."""
+        return _zeros(shape, self.dtype, self.device)
 
     # ------------------------------------------------------------ step inputs
 

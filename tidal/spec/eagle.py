@@ -33,9 +33,7 @@ class Eagle3Drafter:
         self.head, self.runner = head, runner
         c = head.cfg.layer
         shape = (runner.num_blocks * runner.block_size, c.num_kv_heads, c.head_dim)
-        kv_dtype = runner.kv_caches[0][0].dtype
-        self.kv = (torch.zeros(shape, dtype=kv_dtype, device=runner.device),
-                   torch.zeros(shape, dtype=kv_dtype, device=runner.device))
+        self.kv = (runner.cache_zeros(shape), runner.cache_zeros(shape))
         self.aux_layers = head.cfg.target_output_layers
 
     def observe(self, seq: Sequence, features: torch.Tensor) -> None:
