@@ -27,8 +27,9 @@ COMPILED_MAX_TOKENS = INT4_MAX_TOKENS
 GRAPHS = ("one", "many")  # a one-token step; a step of 2..COMPILED_MAX_TOKENS tokens
 
 # freezing: weights become constants, which is what lets inductor pick its low-bit GEMM templates;
-# no oneDNN prepacking, whose packed weights cannot be written into a package
-PACKAGE_CONFIG = {"freezing": True, "max_autotune": True, "cpp.weight_prepack": False}
+# weight_prepack lets it lay the dense ones (the output head past one row) out for its own GEMM
+# templates too, where unpacked they are re-laid out on every call (see linear.PackedWeight)
+PACKAGE_CONFIG = {"freezing": True, "max_autotune": True, "cpp.weight_prepack": True}
 
 
 def graph_of(num_tokens: int) -> str:
