@@ -1,8 +1,11 @@
 """Small decode/verify steps compiled once and replayed.
 
-Two graphs serve every step of at most COMPILED_MAX_TOKENS tokens over the paged, ragged batch:
-one token, and 2..COMPILED_MAX_TOKENS tokens with every size dynamic (tokens, sequences, queries,
-keys, sampled rows, cache slots). Both take the step as one padded attention group.
+Three graphs serve every step of at most COMPILED_MAX_TOKENS tokens over the paged, ragged batch:
+one token; 2..INT4_ROW_TILE tokens; and up to COMPILED_MAX_TOKENS, every size but the first
+graph's dynamic (tokens, sequences, queries, keys, sampled rows, cache slots). All take the step
+as one padded attention group. The token ranges are split where the best 4-bit GEMM changes:
+inductor tunes each graph's kernels at its example size, and its AMX kernel, the fastest from 5
+rows, costs as much at 2 rows as at 8, twice the vector kernel's cost there.
 - CPU: each graph is exported and compiled by AOTInductor into a package on disk, weights frozen
   into it (so inductor uses its own low-bit GEMM kernels); a later start loads the packages in
   about a second instead of compiling for a minute.
@@ -19,12 +22,13 @@ import torch
 from torch import nn
 
 from tidal.layers.attention import AttentionGroup, AttentionMetadata
-from tidal.layers.linear import INT4_MAX_TOKENS
+from tidal.layers.linear import INT4_MAX_TOKENS, INT4_ROW_TILE
 
 # Steps of at most this many tokens (decode and verify at small batch sizes, where a step is many
 # small ops) run compiled; longer ones (prefill chunks, large batches) run eager.
 COMPILED_MAX_TOKENS = INT4_MAX_TOKENS
-GRAPHS = ("one", "many")  # a one-token step; a step of 2..COMPILED_MAX_TOKENS tokens
+# each graph's token counts
+GRAPHS = {"one": (1, 1), "few": (2, INT4_ROW_TILE), "many": (INT4_ROW_TILE + 1, COMPILED_MAX_TOKENS)}
 
 # freezing: weights become constants, which is what lets inductor pick its low-bit GEMM templates;
 # weight_prepack lets it lay the dense ones (the output head past one row) out for its own GEMM
@@ -33,7 +37,7 @@ PACKAGE_CONFIG = {"freezing": True, "max_autotune": True, "cpp.weight_prepack": 
 
 
 def graph_of(num_tokens: int) -> str:
-    return "one" if num_tokens == 1 else "many"
+    return next(g for g, (low, high) in GRAPHS.items() if low <= num_tokens <= high)
 
 
 class StepGraph(nn.Module):
@@ -69,7 +73,9 @@ def dynamic_shapes(graph: str, num_kv: int) -> tuple:
     kv = tuple({0: slots} for _ in range(num_kv))
     if graph == "one":
         return (None, None, None, None, {1: keys}, {3: keys}, None, None, None, kv)
-    tokens, seqs, queries, rows = (Dim(n, min=2, max=COMPILED_MAX_TOKENS) for n in ("tokens", "seqs", "queries", "rows"))
+    low, high = GRAPHS[graph]
+    tokens = Dim("tokens", min=low, max=high)
+    seqs, queries, rows = (Dim(n, min=2, max=high) for n in ("seqs", "queries", "rows"))
     return ({0: tokens}, {0: tokens}, {0: tokens}, {0: seqs, 1: queries}, {0: seqs, 1: keys},
             {0: seqs, 2: queries, 3: keys}, {0: tokens}, {0: tokens}, {0: rows}, kv)
 
@@ -103,7 +109,7 @@ def probe_cpu_isa() -> None:
 
 
 class PackagedStep:
-    """The two graphs, loaded from their packages."""
+    """The graphs, loaded from their packages."""
 
     def __init__(self, paths: dict[str, Path], kv_caches: list[tuple]):
         if _isa_probe is not None:

@@ -334,7 +334,7 @@ class LLMEngine:
         return {"model": profile_cache.file_identity(c.model or loader.default_model_path()),
                 "drafter": [spec.method, spec.ngram_min, spec.ngram_max, profile_cache.file_identity(head)],
                 "dtype": str(self.dtype), "device": str(self.device), "threads": torch.get_num_threads(),
-                "compiled": self.runner.compiled is not None,
+                "compiled": None if self.runner.compiled is None else self.runner.compiled_key or "inductor",
                 "cache": [self.runner.num_blocks, self.runner.block_size], "scheduler": repr(c.scheduler),
                 "knots": self.step_cost.knots, "tidal": __version__, "torch": torch.__version__}
 

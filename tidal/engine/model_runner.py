@@ -69,6 +69,7 @@ class ModelRunner:
         self.model, self.cfg, self.device, self.dtype = model, model.cfg, device, dtype
         self.compile = compile  # small steps compiled at warm_up
         self.compiled: PackagedStep | InductorStep | None = None
+        self.compiled_key: str | None = None  # what the compiled steps were built from (their packages' key)
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks or max(
             1, cache.kv_cache_bytes // kv_cache_block_bytes(self.cfg, cache.block_size, dtype))
@@ -130,8 +131,8 @@ class ModelRunner:
         `start`, the sequences laid out one after another. The EAGLE drafter uses it too, over
         its own cache, which shares the target's block tables. `compiled`: one padded group
         whatever the step, every size at least 2 (but the sequences and queries of a one-token
-        step), so that two compiled graphs (one token; more) serve every small step: dynamo
-        specialises a size of 0 or 1 (see warm_up)."""
+        step), so that a few compiled graphs (one token; more, compiled_step.GRAPHS) serve every
+        small step: export specialises a size of 0 or 1."""
         positions, slots = self.slots(spans)
         if compiled:
             items = list(zip(np.cumsum([0] + [n for *_, n in spans[:-1]]).tolist(), *zip(*spans)))
@@ -211,13 +212,14 @@ class ModelRunner:
 
     def example_steps(self) -> dict[str, tuple]:
         """One step of each compiled graph, (input_ids, positions, metadata, sampled rows), over
-        placeholder sequences in the first cache blocks (before any request holds them). The
-        sizes of the second differ from each other, so that no two are taken for one."""
+        placeholder sequences in the first cache blocks (before any request holds them). Each
+        graph's kernels are tuned at its example's sizes."""
         seq = Sequence("warm-up", list(range(1, 8)), SamplingParams(max_tokens=1))
         other = Sequence("warm-up-2", [1, 2], SamplingParams(max_tokens=1))
         seq.block_table = other.block_table = list(range(-(-8 // self.block_size)))
         steps = {}
-        for spans, rows in (([(seq, 6, 1)], [0]), ([(seq, 3, 3), (other, 0, 2)], [1, 2, 4])):
+        for spans, rows in (([(seq, 6, 1)], [0]), ([(seq, 3, 3), (other, 0, 1)], [1, 2, 3]),
+                            ([(seq, 3, 3), (other, 0, 2)], [1, 2, 4])):
             ids = torch.ones(sum(n for *_, n in spans), dtype=torch.long, device=self.device)
             steps[graph_of(len(ids))] = (ids, *self.metadata(spans, compiled=True), rows)
         return steps
@@ -237,7 +239,7 @@ class ModelRunner:
             log.warning("compiled steps unavailable, running eager: %s", e)
 
     def _capture(self) -> None:
-        """torch.compile both graphs now; duck shaping off, so sizes equal at capture stay distinct."""
+        """torch.compile the graphs now; duck shaping off, so sizes equal at capture stay distinct."""
         from torch.fx.experimental import _config as fx_config
 
         self.compiled = InductorStep(self.model, self.kv_caches, self.aux_layers, self.device)
@@ -252,6 +254,7 @@ class ModelRunner:
         key = profile_cache.digest({**job, "model": profile_cache.file_identity(model or loader.default_model_path()),
                                     "source": _source_digest(), "tidal": tidal.__version__, "torch": torch.__version__,
                                     "cpu": torch.backends.cpu.get_cpu_capability(), "max_tokens": COMPILED_MAX_TOKENS})
+        self.compiled_key = key
         directory = profile_cache.cache_dir() / "compiled"
         paths = {g: directory / f"step-{key}-{g}.pt2" for g in GRAPHS}
         directory.mkdir(parents=True, exist_ok=True)
