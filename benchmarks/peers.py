@@ -10,7 +10,9 @@ Then, for each thread count:
   engines taking turns round by round; llama.cpp as its server runs (`--repack 0`) and with its
   weights repacked for the CPU (AMX where there is one), which its server cannot use here;
 - through the servers: `tidal bench` over llama-server (plain) and tidal serve (off, adaptive), the
-  targets taking turns at each level (`--repeats`).
+  targets taking turns at each level (`--repeats`); and at one request llama-server drafting with
+  tidal's shipped EAGLE-3 head (`--spec-type draft-eagle3`, llama.cpp's default draft length, one
+  slot), the head converted by llama.cpp's own `convert_hf_to_gguf.py` (needs sentencepiece).
 Prints one table of ratios to llama.cpp. `--quick`: one request only.
 """
 
@@ -167,7 +169,40 @@ def offline(bin_dir: Path, gguf: Path, threads: int, tokens: int, rounds: int, e
 # ------------------------------------------------------------------ servers
 
 
-def start_llama_server(bin_dir: Path, gguf: Path, threads: int, slots: int, ctx_per_slot: int, log: Path):
+def eagle3_draft_gguf(bin_dir: Path) -> Path:
+    """tidal's shipped EAGLE-3 head as a GGUF llama.cpp drafts with, converted once by the
+    converter of the same llama.cpp source (its target metadata, config and tokenizer, written
+    by transformers from the bundled GGUF)."""
+    import hashlib
+
+    import transformers
+
+    from tidal.engine.llm_engine import DEFAULT_EAGLE3_HEAD
+    from tidal.models.loader import default_model_path
+
+    head = Path(DEFAULT_EAGLE3_HEAD)
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(head.glob("*")) if f.is_file())).hexdigest()[:16]
+    root = bin_dir.parent.parent
+    path = root / f"eagle3-head-{digest}.gguf"
+    if path.is_file():
+        return path
+    llama_cpp = root / "src" / "vendor" / "llama.cpp"
+    gguf = default_model_path()
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        for auto in (transformers.AutoConfig, transformers.AutoTokenizer):
+            auto.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+        out = Path(tmp) / "head.gguf"
+        run = subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(head), "--target-model-dir",
+                              tmp, "--outfile", str(out), "--outtype", "f16"], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")})
+        if run.returncode:
+            raise RuntimeError(f"converting the EAGLE-3 head failed: {run.stderr.strip().splitlines()[-1:]}")
+        out.replace(path)
+    return path
+
+
+def start_llama_server(bin_dir: Path, gguf: Path, threads: int, slots: int, ctx_per_slot: int, log: Path,
+                       extra: tuple[str, ...] = ()):
     from tidal.bench.launch import free_port
 
     port = free_port()
@@ -177,7 +212,7 @@ def start_llama_server(bin_dir: Path, gguf: Path, threads: int, slots: int, ctx_
                                  # at its first batch on AMX CPUs; llama-bench runs both ways
                                  "--no-repack",
                                  "--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
-                                 "-c", str(slots * ctx_per_slot), "--no-webui"],
+                                 "-c", str(slots * ctx_per_slot), "--no-webui", *extra],
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -196,19 +231,32 @@ def start_llama_server(bin_dir: Path, gguf: Path, threads: int, slots: int, ctx_
 
 def servers(bin_dir: Path, gguf: Path, threads: int, levels: list[int], tokens: int, repeats: int,
             out: Path) -> dict[tuple[str, int], float]:
-    """tok/s of llama-server and tidal off/adaptive at each level, from one `tidal bench` run."""
+    """tok/s of llama-server and tidal off/adaptive at each level, from one `tidal bench` run; and
+    at one request of llama-server drafting with the EAGLE-3 head ("llama-server-eagle3"), from a
+    run of its own (its one slot would queue any more)."""
+    bench = [sys.executable, "-m", "tidal.cli", "bench", "--output-len", str(tokens), "--repeats", str(repeats),
+             "--no-progress"]
     log = out.with_name(out.name + "-llama-server.log")
     proc, url = start_llama_server(bin_dir, gguf, threads, max(levels), 512, log)
     try:
-        subprocess.run([sys.executable, "-m", "tidal.cli", "bench", "--target", f"llama-server={url}",
-                        "--launch", "off,adaptive", "--launch-threads", str(threads),
-                        "--launch-timeout", "900",  # a first start compiles its steps
-                        "--concurrency", ",".join(map(str, levels)), "--output-len", str(tokens),
-                        "--repeats", str(repeats), "--output", str(out), "--no-progress"], check=True)
+        subprocess.run([*bench, "--target", f"llama-server={url}", "--launch", "off,adaptive",
+                        "--launch-threads", str(threads), "--launch-timeout", "900",  # a first start compiles
+                        "--concurrency", ",".join(map(str, levels)), "--output", str(out)], check=True)
     finally:
         proc.terminate()
         proc.wait(30)
     records = json.loads(out.with_name(out.name + ".json").read_text())["records"]
+    if 1 in levels:
+        eagle = out.with_name(out.name + "-eagle3")
+        proc, url = start_llama_server(bin_dir, gguf, threads, 1, 512, eagle.with_name(eagle.name + "-llama-server.log"),
+                                       ("-md", str(eagle3_draft_gguf(bin_dir)), "--spec-type", "draft-eagle3"))
+        try:
+            subprocess.run([*bench, "--target", f"llama-server-eagle3={url}", "--concurrency", "1",
+                            "--output", str(eagle)], check=True)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        records += json.loads(eagle.with_name(eagle.name + ".json").read_text())["records"]
     return {(r["target"], r["concurrency"]): r["output_tok_s"] for r in records}
 
 
@@ -246,6 +294,9 @@ def main() -> int:
         result["servers"][t] = {f"{n}@{c}": v for (n, c), v in srv.items()}
         rows += [(t, f"server {c}", srv[("llama-server", c)], srv[("off", c)], srv[("adaptive", c)])
                  for c in levels]
+        if ("llama-server-eagle3", 1) in srv:
+            rows.append((t, "server 1, llama.cpp draft-eagle3", srv[("llama-server-eagle3", 1)], srv[("off", 1)],
+                         srv[("adaptive", 1)]))
     out.with_name(out.name + ".json").write_text(json.dumps(result, indent=1))
     print(f"\n# tidal vs llama.cpp {result['llama_cpp']} on {gguf.name}, {args.output_len} greedy tokens a request")
     print("| threads | where, requests | llama.cpp tok/s | tidal off tok/s | tidal adaptive tok/s "

@@ -3,6 +3,7 @@ small steps; packages built once per set-up and loaded by later starts; a failed
 the engine eager."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -66,6 +67,17 @@ def test_a_second_start_loads_the_packages_and_other_threads_compile_anew(tiny_m
     finally:
         torch.set_num_threads(threads)
     assert sorted(j["graph"] for j in jobs) == ["few", "many", "one"] and {j["threads"] for j in jobs} == {threads + 1}
+
+
+def test_packages_of_set_ups_unused_for_a_week_are_pruned(tmp_path):
+    now = 1_000_000_000.0
+    for key, age_days in (("old", 8), ("recent", 6)):
+        for name in (f"step-{key}.lock", f"step-{key}-one.pt2", f"step-{key}-many.pt2"):
+            (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / f"step-{key}.lock", (now - age_days * 86400,) * 2)
+    assert model_runner.prune_packages(tmp_path, now - model_runner.PACKAGE_MAX_IDLE_S) == ["old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-recent-many.pt2", "step-recent-one.pt2",
+                                                          "step-recent.lock"]
 
 
 def test_a_failed_compile_leaves_the_engine_eager(tiny_model_dir, monkeypatch, caplog):

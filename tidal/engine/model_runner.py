@@ -8,7 +8,9 @@ import hashlib
 import json
 import logging
 import math
+import os
 import subprocess
+import time
 import sys
 import tempfile
 from pathlib import Path
@@ -43,6 +45,9 @@ log = logging.getLogger("tidal.engine")
 
 # Where compiled steps are AOTInductor packages; elsewhere (CUDA) torch.compile with CUDA graphs.
 PACKAGED_DEVICES = ("cpu",)
+# A set-up's packages (each a copy of the weights) unused this long are deleted when another
+# set-up compiles, so the cache does not grow with every model, thread count and release.
+PACKAGE_MAX_IDLE_S = 7 * 24 * 3600
 
 
 def kv_cache_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -260,8 +265,10 @@ class ModelRunner:
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / f"step-{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # a start with the same key waits for this one, then loads
+            os.utime(lock.fileno())  # the lock's mtime is the set-up's last use
             missing = [g for g, p in paths.items() if not p.is_file()]
             if missing:
+                prune_packages(directory, time.time() - PACKAGE_MAX_IDLE_S)
                 log.info("compiling the decode step ahead of time, once per model, dtype and thread count: %s",
                          ", ".join(missing))
                 _run_workers([{**job, "graph": g, "path": str(paths[g])} for g in missing])
@@ -305,6 +312,23 @@ def _source_digest() -> str:
     for f in files:
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def prune_packages(directory: Path, unused_since: float) -> list[str]:
+    """Delete the packages of every set-up whose lock was last touched before `unused_since`
+    (seconds since the epoch); returns the deleted set-ups' keys."""
+    pruned = []
+    for lock in directory.glob("step-*.lock"):
+        if lock.stat().st_mtime < unused_since:
+            key = lock.stem.removeprefix("step-")
+            for package in directory.glob(f"step-{key}-*.pt2"):
+                package.unlink(missing_ok=True)
+            lock.unlink(missing_ok=True)
+            pruned.append(key)
+    if pruned:
+        log.info("deleted the compiled steps of %d set-up(s) unused for %d days", len(pruned),
+                 PACKAGE_MAX_IDLE_S // 86400)
+    return pruned
 
 
 _WORKER = "import sys; from tidal.engine.model_runner import build_package; build_package(sys.argv[1])"
