@@ -33,13 +33,13 @@ import json
 import statistics
 from datetime import datetime
 
+from tidal.adaptive.cost import PROFILE_BATCH_SIZES
 from tidal.bench.datasets import chat_prompts
-from tidal.models.loader import load_tokenizer
 from tidal.config import SchedulerConfig
+from tidal.models.loader import load_tokenizer
 from tidal.sim.measured import MeasuredModel
 from tidal.sim.simulator import AcceptanceModel, parse_modes
 from tidal.sim.sweep import SweepConfig, simulate
-from tidal.spec.cost import PROFILE_BATCH_SIZES
 
 
 def per_position_rate(length: float, k: int) -> float:

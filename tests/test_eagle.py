@@ -9,7 +9,7 @@ from tidal import SamplingParams
 from tidal.config import CacheConfig, ModelConfig, SpecConfig
 from tidal.engine.llm_engine import LLM
 from tidal.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3, save_eagle3
-from tidal.spec.eagle import Eagle3Drafter
+from tidal.speculative.eagle import Eagle3Drafter
 from tests.conftest import make_tiny_llama
 
 TARGET = ModelConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
@@ -164,7 +164,7 @@ def test_paused_requests_features_do_not_keep_whole_steps_alive(eagle_setup, mon
     features wait for the head for dozens of steps, each a slice of its step's features. At
     most MAX_PENDING_VIEWS of them stay views (the rest are copied out, in order), and outputs
     stay equal to plain decoding."""
-    from tidal.spec.eagle import MAX_PENDING_VIEWS, pins_more
+    from tidal.speculative.eagle import MAX_PENDING_VIEWS, pins_more
     target, head_dir = eagle_setup
     spec = SpecConfig("eagle3", 4, draft_model=str(head_dir), mode="schedule", schedule="1-1:4,2-:0")
     eng = LLM(str(target), dtype="float32", enforce_eager=True, spec=spec,

@@ -5,8 +5,8 @@ import random
 import numpy as np
 import pytest
 
-from tidal.spec.cost import DraftCostModel, StepCostModel
-from tidal.spec.policy import RequestView, SpecPolicy, parse_schedule, scheduled_k
+from tidal.adaptive.cost import DraftCostModel, StepCostModel
+from tidal.adaptive.policy import RequestView, SpecPolicy, parse_schedule, scheduled_k
 
 
 def memory_bound(tokens, seqs, context):  # weights dominate: extra tokens are nearly free
@@ -168,8 +168,8 @@ def test_a_paused_requests_estimate_returns_towards_the_prior():
     """Ten rejections in a row put a request's estimate far under the engine-wide rate; the steps it
     then spends without drafting age those counts (SpecStats.fade), so its estimate climbs back
     towards the prior rather than keeping it at K = 0 until a probe happens to be accepted."""
-    from tidal.sequence import SpecStats
-    from tidal.spec.policy import acceptance_curve
+    from tidal.adaptive.stats import SpecStats
+    from tidal.adaptive.policy import acceptance_curve
 
     stats = SpecStats()
     for _ in range(10):

@@ -281,6 +281,9 @@ def test_invalid_chat_requests_are_400(server):
     _assert_error(httpx.post(url, json={"messages": []}, timeout=30), 400, "messages")
     _assert_error(httpx.post(url, json={"messages": [{"role": "user"}], "top_k": -2}, timeout=30), 400, "top_k")
     _assert_error(httpx.post(url, json={"messages": [{"content": "hi"}]}, timeout=30), 400, "messages")
+    _assert_error(httpx.post(url, json={"messages": [{"role": "robot", "content": "hi"}]}, timeout=30), 400, "messages")
+    image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    _assert_error(httpx.post(url, json={"messages": [{"role": "user", "content": image}]}, timeout=30), 400, "messages")
     long = [{"role": "user", "content": "word " * 9000}]  # no max_tokens: the prompt alone overflows
     _assert_error(httpx.post(url, json={"messages": long}, timeout=30), 400, "messages")
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tidal.adaptive.policy import parse_schedule
 from tidal.cli import main
 from tidal.config import SchedulerConfig
 from tidal.sim.calibrate import calibrate, parse_points
@@ -18,7 +19,6 @@ from tidal.sim.roofline import Efficiency, RooflineModel, StepShape
 from tidal.sim.simulator import AcceptanceModel, Simulator, Workload, parse_modes
 from tidal.sim.sweep import SweepConfig, simulate
 from tidal.sim.tune import tune
-from tidal.spec.policy import parse_schedule
 
 IDEAL = Efficiency(bandwidth=1.0, flops=1.0)
 

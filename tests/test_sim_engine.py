@@ -119,7 +119,7 @@ class Replay:
 @pytest.mark.parametrize("mode", ["fixed:3", "schedule:1-2:3,3-:1"])
 def test_simulated_speculation_equals_the_engines(tiny_model_dir, mode, monkeypatch):
     from tidal.config import SpecConfig
-    from tidal.sequence import SpecStats
+    from tidal.adaptive.stats import SpecStats
 
     fades = []  # steps in which a request emitted without drafting (its estimate ages), engine then sim
     fade = SpecStats.fade

@@ -8,8 +8,8 @@ import torch
 from tidal import SamplingParams
 from tidal.config import CacheConfig, SchedulerConfig, SpecConfig
 from tidal.engine.llm_engine import LLM
-from tidal.spec import verify
-from tidal.spec.ngram import ngram_propose
+from tidal.speculative import verify
+from tidal.speculative.ngram import ngram_propose
 
 
 def test_ngram_proposes_the_continuation_of_the_latest_match():

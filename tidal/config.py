@@ -79,7 +79,7 @@ class SpecConfig:
     schedule: str | None = None
 
     def __post_init__(self):
-        from tidal.spec.policy import MODES, parse_schedule
+        from tidal.adaptive.policy import MODES, parse_schedule
 
         if self.method not in ("none", "ngram", "eagle3"):
             raise ValueError(f"speculative method {self.method!r} is not one of none, ngram, eagle3")

@@ -65,8 +65,8 @@ def start_server(mode: str, extra_args: list[str], log_dir: Path, threads: int, 
            "--no-access-log", "--log-level", "warning", "--step-log", str(step_log), *serve_args(mode), *extra_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     with open(log_path, "wb") as log:
-        # a session of its own: the terminal's Ctrl-C reaches only the bench, which stops it
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # its own process group: the terminal's Ctrl-C reaches only the bench, which stops it
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0)
     server = LocalServer(mode, f"http://127.0.0.1:{port}", proc, log_path)
     try:
         wait_ready(server, timeout_s)

@@ -82,10 +82,10 @@ def command_line(args) -> str:
     """The command as typed, rebuilt from the arguments that differ from their defaults."""
     import argparse
 
-    from tidal.cli import _bench_args
+    from tidal.bench.arguments import add_bench_arguments
 
     fresh = argparse.ArgumentParser()
-    _bench_args(fresh)
+    add_bench_arguments(fresh)
     defaults = vars(fresh.parse_args([]))
     parts = ["tidal", "bench"]
     for key, value in vars(args).items():

@@ -11,6 +11,10 @@ from pathlib import Path
 
 import torch
 
+from tidal.adaptive.cost import (DEFAULT_KNOTS, PROFILE_MAX_TOKENS, PROFILE_PROMPT_LEN, DraftCostModel,
+                                 StepCostModel, profile_grid)
+from tidal.adaptive.policy import RequestView, SpecPolicy, parse_schedule
+from tidal.adaptive.stats import SpecStats
 from tidal.config import EngineConfig, SpecConfig
 from tidal.engine import profile_cache
 from tidal.engine.block_manager import BlockManager
@@ -20,17 +24,15 @@ from tidal.engine.scheduler import Scheduler
 from tidal.engine.step_log import StepLog
 from tidal.layers.linear import INT4_MAX_TOKENS, INT4_ROW_TILE
 from tidal.models import loader
-from tidal.sampling_params import InvalidParameter, SamplingParams
-from tidal.sequence import Sequence, SpecStats
 from tidal.models.eagle3 import load_eagle3
-from tidal.spec.drafter import Drafter
-from tidal.spec.eagle import Eagle3Drafter
-from tidal.spec.cost import (DEFAULT_KNOTS, PROFILE_MAX_TOKENS, PROFILE_PROMPT_LEN, DraftCostModel,
-                             StepCostModel, profile_grid)
-from tidal.spec.ngram import NgramDrafter
-from tidal.spec.policy import RequestView, SpecPolicy, parse_schedule
+from tidal.sampling_params import InvalidParameter, SamplingParams
+from tidal.sequence import Sequence
+from tidal.speculative.drafter import Drafter
+from tidal.speculative.eagle import Eagle3Drafter
+from tidal.speculative.ngram import NgramDrafter
 
-# The EAGLE-3 head trained for the bundled model by `tidal train-drafter` (see its train_log.txt).
+# The EAGLE-3 head trained for the bundled model by `tidal train-drafter` (its training log:
+# docs/results/eagle3-head-train-log.txt).
 DEFAULT_EAGLE3_HEAD = Path(__file__).resolve().parent.parent / "data" / "eagle3-smollm2-135m"
 
 log = logging.getLogger("tidal.engine")

@@ -30,7 +30,7 @@ from tidal.models import loader
 from tidal.models.llama import LlamaModel
 from tidal.sampling_params import SamplingParams
 from tidal.sequence import Sequence
-from tidal.spec.verify import verify_greedy, verify_sampled
+from tidal.speculative.verify import verify_greedy, verify_sampled
 
 # Sequences feeding at most this many tokens share one padded attention call (decode, verify);
 # longer prefill chunks get a call each so padding never multiplies a long chunk.

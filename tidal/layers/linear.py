@@ -22,9 +22,8 @@ import torch
 import torch.nn.functional as F
 
 INT4_MAX_TOKENS = 8
-# ...and within it the kernel's cost jumps between 4 and 5 rows (decode steps of the bundled model,
-# `benchmarks/int4_vs_dense.py`, two threads, 2026-12-04: 9.6, 10.1, 11.1, 11.7, 14.0, 14.5, 15.5 ms
-# at 1-6 and 8 tokens), so the step-cost model gets a knot there too
+# ...and within it the kernel's cost jumps between 4 and 5 rows (benchmarks/int4_vs_dense.py),
+# so the step-cost model gets a knot there too
 INT4_ROW_TILE = 4
 INT8_MAX_TOKENS = 1
 GROUP_SIZE = 32
@@ -56,9 +55,8 @@ class Int4Weight:
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype) -> "Int4Weight":
         """Round a dense [N, K] weight to 4 bits per group of 32 (each group's own min and step,
         as GGUF's Q4_1 does). The codes are picked against the step and offset as the kernel
-        reads them, rounded to `dtype`: picked against the exact ones, a bf16 offset far from 0
-        put weights up to 0.66 of a step off (tests/test_int4.py; 0.53 in the eighth session's
-        head); now at most half the bf16 step."""
+        reads them, rounded to `dtype` (picked against the exact ones, a bf16 offset far from 0
+        puts weights most of a step off; tests/test_int4.py), so at most half the bf16 step."""
         n, k = weight.shape
         groups = weight.detach().float().view(n, k // GROUP_SIZE, GROUP_SIZE)
         minimum, maximum = groups.amin(-1), groups.amax(-1)

@@ -102,7 +102,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(_Strict):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
 
     def text(self) -> str:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.adaptive.cost import DEFAULT_KNOTS, DraftCostModel, StepCostModel
 from tidal.engine.step_log import read_step_log
 from tidal.sim.roofline import StepShape
-from tidal.spec.cost import DEFAULT_KNOTS, DraftCostModel, StepCostModel
 
 
 def _total_ratio(predict, points) -> float:
@@ -82,9 +82,7 @@ class MeasuredModel:
         self.has_drafts = bool(drafts or profile_drafts)
         # The fits weigh relative errors (right for the policy, which compares steps), and so come
         # out below the mean of noisy, right-skewed step times; a simulated run's length is their
-        # sum. So both are scaled to give the measured points' (live ones if any) total time: on
-        # the seventh session's leave-one-level-out runs the fit alone put the left-out level's
-        # steps at 0.87-0.99 of measured, every level under.
+        # sum. So both are scaled to give the measured points' (live ones if any) total time.
         self.step_scale = _total_ratio(self.step_cost.predict, steps or profile_steps)
         self.draft_scale = _total_ratio(self.draft_cost.predict, drafts or profile_drafts) if self.has_drafts else 1.0
 

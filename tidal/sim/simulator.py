@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from tidal.adaptive.cost import (DEFAULT_KNOTS, PROFILE_MAX_TOKENS, PROFILE_PROMPT_LEN, DraftCostModel,
+                                 StepCostModel, profile_grid)
+from tidal.adaptive.policy import SpecPolicy, parse_schedule
 from tidal.config import SchedulerConfig
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.scheduler import Scheduler, SchedulerOutput
 from tidal.sampling_params import SamplingParams
 from tidal.sequence import Sequence
 from tidal.sim.roofline import StepShape
-from tidal.spec.cost import (DEFAULT_KNOTS, PROFILE_MAX_TOKENS, PROFILE_PROMPT_LEN, DraftCostModel,
-                             StepCostModel, profile_grid)
-from tidal.spec.policy import SpecPolicy, parse_schedule
 
 
 class StepTimeModel(Protocol):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tidal.config import SchedulerConfig
+from tidal.adaptive.cost import (DEFAULT_KNOTS, PROFILE_BATCH_SIZES, PROFILE_DRAFT_LENGTHS, PROFILE_MAX_TOKENS,
+                                 PROFILE_PROMPT_LEN)
 from tidal.bench.records import BenchRecord
+from tidal.config import SchedulerConfig
 from tidal.sim.report import make_record
 from tidal.sim.simulator import AcceptanceModel, Simulator, SpecMode, StepTimeModel, Workload
-from tidal.spec.cost import (DEFAULT_KNOTS, PROFILE_BATCH_SIZES, PROFILE_DRAFT_LENGTHS, PROFILE_MAX_TOKENS,
-                             PROFILE_PROMPT_LEN)
 
 
 @dataclass(frozen=True)

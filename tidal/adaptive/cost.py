@@ -12,27 +12,19 @@ Draft phase (one proposal for the batch):
 
 A sequence verifying drafts costs more than its extra tokens: it attends with several queries
 (a causal mask), and once drafts would pad the one-token sequences those get an attention call of
-their own (model_runner.SPLIT_PAD_ROWS). Without the g term the fit had one token curve for every
-kind of token: in a server at 32 requests (`tidal bench --launch`, step log, 2026-12-04) steps with
-16 requests verifying one draft each were predicted at 63-69 ms and took 71-89 ms (plain 55 ms),
-and a fit of the whole run's steps in hindsight still said 65-66 ms. The start-up profile (batch
-sizes 1-64 at K = 0, 2, 4) measures g from the start. A step verifying drafts is also priced with
-`draft_bias`, what is left of the bias of such steps against plain decode steps (see
-StepCostModel.draft_bias).
+their own (model_runner.SPLIT_PAD_ROWS); the g term prices that, and the start-up profile (batch
+sizes 1-64 at K = 0, 2, 4) measures it from the start. A step verifying drafts is also priced with
+`draft_bias` (see StepCostModel.draft_bias).
 
 Both are least squares of the relative error over a window of recent steps plus the start-up
 profile (kept as anchors where the live load has no samples), with a small smoothness penalty on f
 so it interpolates between knots and extrapolates linearly past the last measured one. The
 anchors are rescaled by the live steps' median ratio to what the anchors alone predict: the
-profile keeps the shape, the live steps set the level. Without it, a profile taken on an idle
-machine made the steps it had measured (drafting ones) look cheap next to live steps on a busy
-one, and the policy drafted at 32 requests where that lost 13% (benchmarks/adaptive.py). Relative,
-because the choices that matter are made on small decode steps: in absolute seconds a few long
-prefill steps would outweigh them (measured on the bundled model's start-up profile: median error
-15% absolute-weighted, 8% relative-weighted; first draft forward predicted 8.0 ms absolute-
-weighted, 4.2 ms relative-weighted, measured 4.8-6.5 ms). The per-sequence and per-context
-terms may not be negative: fitted freely on the start-up profile (at most 64 sequences) they
-came out negative, and a step of 128 sequences was predicted at 26 ms; it took 595 ms.
+profile keeps the shape, the live steps set the level (a profile taken on an idle machine would
+otherwise make drafting look cheap on a busy one). Relative, because the choices that matter are
+made on small decode steps, which a few long prefill steps would outweigh in absolute seconds.
+The per-sequence and per-context terms may not be negative: fitted freely on a profile of at most
+64 sequences they extrapolate to absurdly cheap large batches.
 """
 
 from __future__ import annotations
@@ -61,11 +53,8 @@ def profile_grid(capacity: int) -> list[tuple[int, int]]:
 class _LeastSquares:
     """Ridge least squares of the relative error (each row weighted by 1/y) over anchors + a
     sliding window of samples, refitted lazily: after each of the first `refit_every` samples (so
-    the live level is set at once), then after every `refit_every` (a refit took 0.8 ms, 2% of a
-    two-request decode step on the bundled model, spent every step; one sample barely moves a
-    fit over dozens). Refitting after every sample until the window (256) was full cost the
-    adaptive policy 0.3-0.45 ms of a 20 ms step at 8 requests for the first 256 steps, the
-    policy's largest cost there (throwaway per-step timing, two threads, 2026-12-04)."""
+    the live level is set at once), then after every `refit_every`. A refit costs about as much
+    as the policy's whole choice, and one sample barely moves a fit over dozens."""
 
     def __init__(self, num_features: int, window: int, penalty: np.ndarray, nonneg: tuple[int, ...] = (),
                  refit_every: int = 8):
@@ -190,19 +179,11 @@ class StepCostModel:
     @property
     def draft_bias(self) -> float:
         """How much dearer than the fit predicts a step verifying drafts has recently been,
-        relative to a plain decode step (log ratio, within +-0.5). The fit has one token curve
-        for every kind of token, and drafts are rare in its window: at 32 requests on the
-        bundled model, drafting steps measured 1.05x of their prediction while plain ones
-        measured 0.96x (median, two threads, throwaway per-step log, 2026-12-04), so drafts
-        looked 10% cheaper than they were, about the whole gain the policy saw in them, and the
-        policy drafted there and lost 3-7% to plain decoding. A drafting step's extra cost is
-        fixed more than per token there (a second attention call once drafts would pad the
-        one-token sequences, see model_runner.SPLIT_PAD_ROWS; at 8 requests one draft leaves
-        the 4-bit kernel), which a per-token curve fitted mostly to plain steps and prefill
-        chunks cannot show. Medians of the last 32 of each kind, taken at each drafting step (the
-        policy's probes included), from its fourth on: a recency-weighted mean (weight 0.2) swung
-        from -0.16 to +0.13 between two runs at one request, this machine's slow spells landing
-        on one kind of step or the other."""
+        relative to a plain decode step (log ratio, within +-0.5): medians of the last 32 of
+        each kind, from the fourth drafting step on. The fit has one token curve for every kind
+        of token and drafts are rare in its window, while a drafting step's extra cost is mostly
+        fixed (a second attention call, a kernel switch), so without it drafts look cheaper
+        than they are. Medians, because this machine's slow spells land on one kind or the other."""
         return self._draft_bias
 
     def predict(self, tokens, seqs, context, drafting=0, biased: bool = True):
@@ -243,10 +224,9 @@ class DraftCostModel:
     all, after catching the drafter up on `catch_up` skipped positions (EAGLE-3)."""
 
     def __init__(self, window: int = 256):
-        # refitted as the step model is (every sample until 8, then every 8th): refitted after every
-        # sample, the policy spent 0.35 ms a drafting step on it at one request, 2-3% of a 10 ms step
-        # (throwaway per-step timing, 2026-12-04). At K = 0 its only samples are the policy's
-        # probes, so its level then lags by up to 8 probes (128 steps).
+        # refitted as the step model is (every sample until 8, then every 8th), for the same
+        # cost reason. At K = 0 its only samples are the policy's probes, so its level then
+        # lags by up to 8 probes (128 steps).
         self._fit = _LeastSquares(4, window, 1e-9 * np.eye(4), nonneg=(0, 1, 2, 3))
 
     @staticmethod

@@ -1,92 +1,17 @@
 """SpecPolicy: how many draft tokens each request gets this step (0 = none). Plain Python numbers only
-(no numpy, torch or engine).
+(no numpy, torch or engine). The rules and their reasons: docs/adaptive-speculation.md.
 
 Adaptive mode maximises the step's goodput, expected emitted tokens per second of decoding:
 
     goodput(k) = sum_i E_i(k_i) / (verify(tokens + sum k, seqs, context) - prefill + draft(max k, sum k, catch-up))
 
-where E_i(k) = 1 + sum_{j<=k} prod_{l<=j} a_il, a_il being request i's acceptance of draft
-position l given the ones before it were accepted: its own recent counts smoothed towards the
-engine-wide per-position rate (the prior a new request starts from), and `prefill` is what the
-step's prefill tokens add to it, verify(tokens) - verify(decoding requests): prefill emits
-nothing now but is work owed anyway, so a draft is judged by what it adds against the rate of
-plain decoding, not against a step that looks slow because it also prefills (counting that time
-would make drafts look nearly free in every prefill step). The j-th draft of request i
-is worth prod_{l<=j} a_il tokens, which never grows with j, so taking drafts in order of worth and
-keeping the best prefix finds the optimum over the two costs: requests that rarely accept lose
-their drafts first, and when a token costs more than the best draft is worth, everyone gets 0.
-Catch-up (EAGLE-3): a request that drafted last step is charged the positions its head must
-process this step in full; that recurs every step it drafts. A request that starts or resumes
-drafting first has its whole backlog to catch up on (its prompt, or every token since it paused).
-That is a one-off: charging it all to one step would make a request look dear exactly once, at the
-start, so after a long prompt it would never draft, and its backlog (and the charge) would only
-grow. The policy spreads it over the steps the request has left: backlog / (remaining tokens /
-tokens per step at its best allocation), and in full when the request's length is unknown.
-
-Budget: the drafts of a step come out of the step's token budget before waiting prefill does, so
-the policy takes at most `draft_budget` drafts in all (the budget left once every decoding request
-has its token and the pending prefill has its share): speculation never delays an admission.
-
-Exploration: a request's acceptance is only measured while it drafts. If the policy has chosen
-K = 0 everywhere for `probe_every` (16) steps in a row, it gives one draft to the request
-cheapest to catch up, so an estimate made under other load (or an unlucky start) cannot keep
-speculation off for good, provided what the probe adds to its step (one more token to verify, a
-head forward and the request's whole backlog, as the cost models price them) is at most
-`probe_share` (1%) of the plain steps' time since the last drafts; otherwise it waits until it
-is. Every 16 steps regardless, probes took about 2% of the time at 8 requests on the bundled
-model (one more token there leaves the 4-bit kernel for the dense one: 18.7 -> 22.2 ms, and a
-backlog of 20-60 positions makes the head's forward 3.6 ms; throwaway step log, 2026-12-04). With 64,
-at one request on the bundled model (where fixed K=2 was 1.11x of plain decoding) the policy
-drafted in 7 steps of 294, and those few verifications put position 1's acceptance at 0.18 where
-it is about 0.35, so it kept K = 0 (throwaway diagnostic, 2026-12-04). Every later position is
-probed alike: position l is only measured in chains that reach it, so once `probe_every` steps'
-longest chains stopped at l - 1 since one last reached l, the request drafting l - 1 likeliest to
-reach l gets one more draft, if its verification and head forward (no backlog: that request
-drafts anyway) cost at most `probe_share` of those steps' verification time; it measures l only
-when the l - 1 drafts before it are accepted. Without it, at one request with the shipped head,
-two early rejections put position 2's rate at 0.16 (measured ~0.56 when it is drafted) and with
-chains of one draft it stayed there: K = 2 in 3 steps of 810 (throwaway diagnostic, 2026-12-04).
-The other way round, the cost of a plain step is only measured while no one drafts: after
-`plain_every` (64) steps in a row with drafts, one step has none (it gives up a whole step's gain, so it comes rarer). Without
-it, once the policy drafts, the cost model's window holds only drafting steps and the plain
-step's cost is read off the start-up profile's shape: a plausible cause of a run that kept
-drafting at 128 requests (mean K 0.92) and lost 16% to plain decoding (benchmarks/adaptive.py,
-before this change).
-
-Risk: a step with drafts must promise `min_gain` (5%) more goodput than the same step without
-any, or no request drafts. The cost model is an estimate (median error 8% on the bundled model's
-start-up profile, see cost.py) and acceptance is a recent average; near break-even an error
-either way decides. With 10% on a 2-core CPU where drafting never paid, the bar kept adaptive
-from chasing a few percent (which had lost 12-22% to plain decoding at 8-32 requests); once
-drafting paid 8-11% at one request (2026-12-04: 4-bit draft head, packed output head) that bar
-kept it from drafting there (mean K 0.08, 0.89x of fixed K=2). With 5% and these probes: mean K
-0.71 at one request, 1.07x of plain decoding and 0.99x of fixed K=2 there, and 0.97x-1.00x of
-the best mode at 2-32 requests (`OMP_NUM_THREADS=1 python benchmarks/adaptive.py --concurrency
-1,2,4,8,16,32 --min-requests 8`, one run each). Where speculation really pays (a memory-bound GPU
-step, good acceptance) its gain is far above either bar.
-
-Optimism: a request's first-position acceptance is smoothed towards the engine-wide rate plus
-`optimism` (0.2), not the rate itself, so a new request starts above it and its own counts take
-over as they come (with a prior weight of 2 and counts that decay by 0.9 a verification, the raise
-at one request is 0.2 at the start, 0.05 after ten verifications and never below 0.03; a step
-without drafts ages the counts too, so a paused request drifts back up: SpecStats.fade).
-Acceptance differs a lot from one request to the next (on the shipped chat prompts at one request, 0.18 to 0.78 at the
-first position under fixed K = 2), and it is only measured while a request drafts: started from
-a prior near the break-even point, a request the prior undersold stayed at K = 0 (one accepting
-0.73 drafted in 2% of its steps, its three probes having accepted one). An upper confidence bound
-(0.5 standard errors) did the same at the start but kept ~0.07 for good, since the decayed
-counts never grow past ~10; in one two-thread sweep with it adaptive drafted at 32 requests
-(mean K 0.91) and lost 7% to plain decoding (throwaway runs and benchmarks/adaptive.py, 2026-12-04).
-The raise is divided by the number of decoding requests: what finding a good request is worth
-is its own share of the step's goodput (1/B of it), while a drafting step's fixed costs (the
-head's forward, a second attention call, at 8 requests the switch from the 4-bit kernel) fall
-on the whole batch. With the full raise at every batch size, new requests (one every few steps
-in a closed loop) drafted at 8 and 16 requests (mean K 0.19 and 0.58, 0.96x-0.97x of plain
-decoding); divided, mean K was 0.00 there, and 0.98x (two-thread sweeps of benchmarks/adaptive.py,
-2026-12-04, one run each).
-
-Hysteresis: the last step's choice is kept unless the new one is better by `margin`, so noise in
-measured step times or in acceptance does not make K flap.
+E_i(k) = 1 + sum_{j<=k} prod_{l<=j} a_il, a_il being request i's acceptance of draft position l.
+The j-th draft is worth prod_{l<=j} a_il, which never grows with j, so taking drafts in order of
+worth and keeping the best prefix is optimal. Prefill time is not charged to drafts (it is owed
+anyway); an EAGLE-3 request's catch-up backlog is spread over the steps it has left; drafts never
+take budget that pending prefill needs. Probes keep acceptance (and the plain step's cost)
+measured while the policy does not draft; a risk bar (`min_gain`) and hysteresis (`margin`) keep
+estimates' noise from deciding near break-even.
 """
 
 from __future__ import annotations
@@ -141,8 +66,7 @@ def acceptance_curve(reached: list[float], accepted: list[float], prior: list[fl
     first position's prior raised by `optimism` (at most 1): a new request starts that much above
     the engine-wide rate, and the raise fades as its own counts outweigh the prior. Only the
     first position: it is measured whenever the request drafts at all; position l is reached
-    only after l - 1 accepted drafts, and an optimistic estimate there stayed high for good
-    (K = 3 chains with 8% acceptance at the third position; throwaway, 2026-12-04)."""
+    only after l - 1 accepted drafts, and an optimistic estimate there would stay high for good."""
     out = []
     for l, p in enumerate(prior):
         n = (reached[l] if l < len(reached) else 0.0) + weight
@@ -194,13 +118,8 @@ class SpecPolicy:
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """One verification anywhere in the engine: positions 1..num_accepted + 1 were reached.
         Counted per verification, the prior leans towards the requests that draft most, which
-        are those that accept most. Two alternatives were measured against it (one process,
-        engines stepped in turn, at least 16 requests of 64 tokens a level, 2026-12-04) and not
-        kept: each finished request counted once (the mean of their own rates) erred the other way,
-        since a request whose first drafts are rejected mostly stops drafting and keeps a rate
-        near 0 (prior 0.19 at two requests against 0.42; mean K 0.08 against 0.54; 0.98x of
-        plain decoding against 1.04x); each request's first 8 verifications only: 1.09x / 1.01x
-        of plain decoding at one / two requests against 1.12x / 1.03x, the same from 4 to 32."""
+        are those that accept most (counting each request once erred the other way: a request
+        whose first drafts are rejected stops drafting and keeps a rate near 0)."""
         for l in range(min(num_drafted, num_accepted + 1)):
             self._reached[l] = self.decay * self._reached[l] + 1
             self._accepted[l] = self.decay * self._accepted[l] + (l < num_accepted)
@@ -310,10 +229,8 @@ class SpecPolicy:
              budget) -> list[int]:
         """The goodput-best allocation among prefixes (of at most `budget` drafts) of all drafts
         sorted by worth, each prefix priced in turn in plain Python. Not numpy: run between two
-        model forwards, which evict the caches, the same plan over 32 drafts (8 requests, K 4)
-        took 0.22 ms in numpy's array calls against 0.06 ms when warm (throwaway timing,
-        2026-12-04), 1-2% of a 20 ms step on the bundled model. At 128 requests (512 drafts) a
-        choice takes about 1 ms, against a step of about 200 ms there."""
+        model forwards, which evict the caches, numpy's per-call overhead costs more than these
+        few dozen multiplications."""
         ks = [0] * len(requests)
         # sorted() is stable: a request's equal-worth drafts stay in chain order
         flat = sorted(((w, i, j) for i, ws in enumerate(worths) for j, w in enumerate(ws, 1)),
