@@ -24,7 +24,7 @@ def tiny(path, **kw) -> LLM:
 
 @pytest.fixture(scope="module")
 def compiled(tiny_model_dir):
-    return tiny(tiny_model_dir)
+    return tiny(tiny_model_dir, wait_compiled=False)
 
 
 def frames() -> int:
@@ -44,7 +44,17 @@ def assert_matches_eager(tiny_model_dir, llm: LLM) -> None:
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
+def test_a_first_start_serves_while_the_larger_steps_compile(tiny_model_dir, compiled):
+    runner = compiled.engine.runner  # the module's first start: this test session's cache is empty
+    assert set(runner.compiled.graphs) == {"one"} and set(runner.compiling) == {"few", "many"}
+    assert_matches_eager(tiny_model_dir, compiled)  # their steps eager until the packages land
+    assert runner.land_compiled(wait=True)
+    assert set(runner.compiled.graphs) == {"one", "few", "many"} and not runner.compiling
+    assert_matches_eager(tiny_model_dir, compiled)
+
+
 def test_packaged_steps_match_eager_greedy_on_the_tiny_model(tiny_model_dir, compiled, monkeypatch):
+    compiled.engine.runner.land_compiled(wait=True)
     step = compiled.engine.runner.compiled
     assert isinstance(step, PackagedStep)
     calls = {g: 0 for g in step.graphs}
@@ -57,10 +67,12 @@ def test_packaged_steps_match_eager_greedy_on_the_tiny_model(tiny_model_dir, com
 def test_a_second_start_loads_the_packages_and_other_threads_compile_anew(tiny_model_dir, compiled, monkeypatch):
     jobs = []
     monkeypatch.setattr(model_runner, "_run_workers", lambda js: (jobs.extend(js), model_runner._run_workers(js))[1])
-    assert isinstance(tiny(tiny_model_dir).engine.runner.compiled, PackagedStep)
+    # waits on the set-up's lock while the first start's workers still compile, then loads all
+    assert set(tiny(tiny_model_dir).engine.runner.compiled.graphs) == {"one", "few", "many"}
     assert jobs == []
     threads = torch.get_num_threads()
     monkeypatch.setattr(model_runner, "_run_workers", lambda js: jobs.extend(js))  # records, builds nothing
+    monkeypatch.setattr(model_runner, "_start_workers", lambda js, fd: (jobs.extend(js), [])[1])
     torch.set_num_threads(threads + 1)
     try:
         tiny(tiny_model_dir)

@@ -29,8 +29,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "auto for serve, if-cached for generate)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly; by default decode and verify steps of up to 8 tokens run "
-                        "compiled (about a minute to compile the first time a model, dtype and thread count "
-                        "are used, then loaded from the cache in about a second)")
+                        "compiled (the first start with a model, dtype and thread count compiles: the one-token "
+                        "step before it is ready, about a minute, the others while it serves; later starts load "
+                        "them from the cache in about a second)")
+    p.add_argument("--wait-compiled", action="store_true",
+                   help="on a first start, be ready only once every compiled step is (as benchmarks want)")
     p.add_argument("--step-log", default=None,
                    help="append every measured step and draft proposal to this CSV (tidal sim --profile reads it)")
 
@@ -49,7 +52,7 @@ def _engine_kwargs(args) -> dict:
                           mode=mode, schedule=args.spec_schedule)
     profile = args.startup_profile or ("auto" if args.command == "serve" else "if-cached")
     return dict(dtype=args.dtype, device=args.device, spec=spec, step_log=args.step_log, startup_profile=profile,
-                enforce_eager=args.enforce_eager)
+                enforce_eager=args.enforce_eager, wait_compiled=args.wait_compiled)
 
 
 def _generate(args) -> int:

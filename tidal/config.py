@@ -109,6 +109,9 @@ class EngineConfig:
     step_log: str | None = None  # append every measured step and draft proposal to this CSV file
     startup_profile: str = "auto"  # one of STARTUP_PROFILES (adaptive speculation only)
     enforce_eager: bool = False  # else small decode/verify steps run compiled (engine/compiled_step.py)
+    # a first start compiles every graph before it is ready (a library's or a benchmark's steady
+    # state); False: only the one-token graph, the rest while it serves (the CLI's default)
+    wait_compiled: bool = True
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -62,7 +62,7 @@ def start_server(mode: str, extra_args: list[str], log_dir: Path, threads: int, 
     log_path = log_dir / f"server-{mode.replace(':', '-')}-{port}.log"
     step_log = log_path.with_name(f"steps-{mode.replace(':', '-')}-{port}.csv")  # what tidal sim --profile reads
     cmd = [sys.executable, "-m", "tidal.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--no-access-log", "--log-level", "warning", "--step-log", str(step_log), *serve_args(mode), *extra_args]
+           "--no-access-log", "--log-level", "warning", "--step-log", str(step_log), "--wait-compiled", *serve_args(mode), *extra_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     with open(log_path, "wb") as log:
         # its own process group: the terminal's Ctrl-C reaches only the bench, which stops it

@@ -109,15 +109,23 @@ def probe_cpu_isa() -> None:
 
 
 class PackagedStep:
-    """The graphs, loaded from their packages."""
+    """The graphs, loaded from their packages (those still compiling added as they land)."""
 
     def __init__(self, paths: dict[str, Path], kv_caches: list[tuple]):
         if _isa_probe is not None:
             _isa_probe.join()  # one probe, not two racing
+        self.graphs = {}
+        for g, p in paths.items():
+            self.add(g, p)
+        self.kv = tuple(t for pair in kv_caches for t in pair)
+
+    def add(self, graph: str, path: Path) -> None:
         from torch._inductor import aoti_load_package
 
-        self.graphs = {g: aoti_load_package(str(p)) for g, p in paths.items()}
-        self.kv = tuple(t for pair in kv_caches for t in pair)
+        self.graphs[graph] = aoti_load_package(str(path))
+
+    def covers(self, num_tokens: int) -> bool:
+        return num_tokens <= COMPILED_MAX_TOKENS and graph_of(num_tokens) in self.graphs
 
     def __call__(self, input_ids, positions, meta: AttentionMetadata, rows) -> tuple[torch.Tensor, list]:
         logits, *aux = self.graphs[graph_of(len(input_ids))](*flat_args(input_ids, positions, meta, rows, self.kv))
@@ -141,6 +149,9 @@ class InductorStep:
         mode = "max-autotune" if device.type == "cuda" else "max-autotune-no-cudagraphs"
         self.fn = torch.compile(_step_logits, mode=mode)
         self.model, self.kv_caches, self.aux_layers = model, kv_caches, aux_layers
+
+    def covers(self, num_tokens: int) -> bool:
+        return num_tokens <= COMPILED_MAX_TOKENS
 
     def __call__(self, input_ids, positions, meta: AttentionMetadata, rows, capture: bool = False):
         if capture:

@@ -133,7 +133,7 @@ class LLMEngine:
             self.drafter = make_drafter(config.spec, self.runner, config.model)
         if not config.enforce_eager:
             with _phase("compile"):
-                self.runner.warm_up(config.model)
+                self.runner.warm_up(config.model, background=not config.wait_compiled)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         int4 = any(layer.int4 for layer in model.layers)
@@ -310,6 +310,10 @@ class LLMEngine:
         "auto") measure it and store it; "if-cached" runs on live steps alone when none is stored."""
         key = profile_cache.profile_key(self._profile_identity())
         stored = profile_cache.load(key)
+        if stored is None and self.runner.compiling:
+            log.info("start-up: profile none stored, not measured while steps compile; the cost models learn "
+                     "from live steps")
+            return
         if stored is None and self.config.startup_profile == "if-cached":
             log.info("start-up: profile none stored; the cost models learn from live steps")
             return

@@ -75,6 +75,8 @@ class ModelRunner:
         self.compile = compile  # small steps compiled at warm_up
         self.compiled: PackagedStep | InductorStep | None = None
         self.compiled_key: str | None = None  # what the compiled steps were built from (their packages' key)
+        self.compiling: dict[str, Path] = {}  # graphs compiling in the background, to their packages
+        self._workers: list = []  # their processes
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks or max(
             1, cache.kv_cache_bytes // kv_cache_block_bytes(self.cfg, cache.block_size, dtype))
@@ -183,7 +185,9 @@ class ModelRunner:
                 rows.extend(range(end - s.num_draft_tokens, end + 1))
                 sampling.append(s)
         num_tokens = int(ends[-1]) + 1
-        compiled = self.compiled is not None and 0 < len(rows) and num_tokens <= COMPILED_MAX_TOKENS
+        if self.compiling:
+            self.land_compiled()
+        compiled = self.compiled is not None and 0 < len(rows) and self.compiled.covers(num_tokens)
         input_ids, positions, meta = self.prepare(scheduled, compiled)
         if compiled:
             logits, aux = self._run_compiled(input_ids, positions, meta, rows)
@@ -229,14 +233,17 @@ class ModelRunner:
             steps[graph_of(len(ids))] = (ids, *self.metadata(spans, compiled=True), rows)
         return steps
 
-    def warm_up(self, model: str | None = None) -> None:
+    def warm_up(self, model: str | None = None, background: bool = False) -> None:
         """Make the compiled steps ready (`model`: the file the weights came from, None for the
-        bundled one). A failure to compile is logged and leaves the steps eager."""
+        bundled one). `background`: wait only for the one-token graph; the others compile while
+        the engine serves (their steps eager until then, see land_compiled). A failure to compile
+        is logged and leaves the steps eager."""
         if not self.compile:
             return
         try:
             if self.device.type in PACKAGED_DEVICES:
-                self.compiled = PackagedStep(self._packages(model), self.kv_caches)
+                paths = self._packages(model, background)
+                self.compiled = PackagedStep({g: p for g, p in paths.items() if p.is_file()}, self.kv_caches)
             else:
                 self._capture()
         except Exception as e:  # an optimisation that cannot be had must not stop the engine
@@ -252,8 +259,9 @@ class ModelRunner:
             for ids, positions, meta, rows in self.example_steps().values():
                 self._run_compiled(ids, positions, meta, rows, capture=True)
 
-    def _packages(self, model: str | None) -> dict[str, Path]:
-        """The graphs' packages, compiled now (in parallel processes) where the cache lacks them."""
+    def _packages(self, model: str | None, background: bool) -> dict[str, Path]:
+        """The graphs' packages, compiled now (in parallel processes) where the cache lacks them;
+        with `background`, all but the one-token graph are left compiling (self.compiling)."""
         job = {"model": model, "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
                "threads": torch.get_num_threads(), "aux_layers": list(self.aux_layers), "block_size": self.block_size}
         key = profile_cache.digest({**job, "model": profile_cache.file_identity(model or loader.default_model_path()),
@@ -264,15 +272,47 @@ class ModelRunner:
         paths = {g: directory / f"step-{key}-{g}.pt2" for g in GRAPHS}
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / f"step-{key}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # a start with the same key waits for this one, then loads
+            try:  # a start with the same key waits for the one compiling, then loads
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("waiting for another process compiling these steps")
+                fcntl.flock(lock, fcntl.LOCK_EX)
             os.utime(lock.fileno())  # the lock's mtime is the set-up's last use
             missing = [g for g, p in paths.items() if not p.is_file()]
-            if missing:
-                prune_packages(directory, time.time() - PACKAGE_MAX_IDLE_S)
+            if not missing:
+                return paths
+            prune_packages(directory, time.time() - PACKAGE_MAX_IDLE_S)
+            now = [g for g in missing if g == "one" or not background]
+            jobs = {g: {**job, "graph": g, "path": str(paths[g])} for g in missing}
+            if now:
                 log.info("compiling the decode step ahead of time, once per model, dtype and thread count: %s",
-                         ", ".join(missing))
-                _run_workers([{**job, "graph": g, "path": str(paths[g])} for g in missing])
+                         ", ".join(now))
+                _run_workers([jobs[g] for g in now])
+            later = [g for g in missing if g not in now]
+            if later:
+                log.info("compiling %s in the background; until they land, those steps run eager", ", ".join(later))
+                # the workers hold the lock (an inherited descriptor) until they exit
+                self.compiling = {g: paths[g] for g in later}
+                self._workers = _start_workers([jobs[g] for g in later], lock.fileno())
         return paths
+
+    def land_compiled(self, wait: bool = False) -> bool:
+        """Load the packages compiled in the background once every worker has exited (`wait`:
+        block until then). True when nothing is left compiling."""
+        if not self.compiling:
+            return True
+        if not wait and any(proc.poll() is None for proc, _ in self._workers):
+            return False
+        failures = _wait_workers(self._workers)
+        if failures:
+            log.warning("compiling the step in the background failed, those steps stay eager: %s", failures[0])
+        landed = [g for g, p in self.compiling.items() if p.is_file()]
+        for g in landed:
+            self.compiled.add(g, self.compiling[g])
+        if landed:
+            log.info("compiled steps landed: %s", ", ".join(landed))
+        self.compiling, self._workers = {}, []
+        return True
 
     def verify(self, logits: torch.Tensor, s: ScheduledSeq) -> list[int]:
         seq, p = s.seq, s.seq.params
@@ -334,22 +374,33 @@ def prune_packages(directory: Path, unused_since: float) -> list[str]:
 _WORKER = "import sys; from tidal.engine.model_runner import build_package; build_package(sys.argv[1])"
 
 
-def _run_workers(jobs: list[dict]) -> None:
-    """Run build_package for each job in its own process, all at once; raise with the first
-    failure's error line."""
-    procs = []
+def _start_workers(jobs: list[dict], lock_fd: int | None = None) -> list:
+    """Start build_package for each job in its own process; each holds `lock_fd` until it exits."""
+    workers = []
     for job in jobs:
         err = tempfile.TemporaryFile(mode="w+")
-        procs.append((subprocess.Popen([sys.executable, "-c", _WORKER, json.dumps(job)],
-                                       stdout=subprocess.DEVNULL, stderr=err), err))
+        workers.append((subprocess.Popen([sys.executable, "-c", _WORKER, json.dumps(job)], stdout=subprocess.DEVNULL,
+                                         stderr=err, pass_fds=() if lock_fd is None else (lock_fd,)), err))
+    return workers
+
+
+def _wait_workers(workers: list) -> list[str]:
+    """Wait for the workers; the error line of each that failed."""
     failures = []
-    for proc, err in procs:
+    for proc, err in workers:
         if proc.wait():
             err.seek(0)
             lines = [line for line in err.read().splitlines() if line.strip()]
             errors = [line for line in lines if "Error" in line.split(":")[0]] or lines
             failures.append(errors[-1] if errors else f"exit status {proc.returncode}")
         err.close()
+    return failures
+
+
+def _run_workers(jobs: list[dict]) -> None:
+    """Run build_package for each job in its own process, all at once; raise with the first
+    failure's error line."""
+    failures = _wait_workers(_start_workers(jobs))
     if failures:
         raise RuntimeError(f"compiling the step failed: {failures[0]}")
 
