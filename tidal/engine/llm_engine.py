@@ -6,19 +6,18 @@ import itertools
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tidal.adaptive.cost import (DEFAULT_KNOTS, PROFILE_MAX_TOKENS, PROFILE_PROMPT_LEN, DraftCostModel,
-                                 StepCostModel, profile_grid)
-from tidal.adaptive.policy import RequestView, SpecPolicy, parse_schedule
-from tidal.adaptive.stats import SpecStats
+from tidal.adaptive.cost import DEFAULT_KNOTS, PROFILE_MAX_TOKENS, PROFILE_PROMPT_LEN
+from tidal.adaptive.policy import SpecPolicy, parse_schedule
 from tidal.config import EngineConfig, SpecConfig
 from tidal.engine import profile_cache
 from tidal.engine.block_manager import BlockManager
 from tidal.engine.compiled_step import probe_cpu_isa
+from tidal.engine.core import EngineCore
 from tidal.engine.model_runner import PACKAGED_DEVICES, ModelRunner
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.step_log import StepLog
@@ -50,19 +49,6 @@ class RequestOutput:
     text: str
     finished: bool
     finish_reason: str | None
-
-
-@dataclass
-class StepStats:
-    """What one engine step did, for metrics and for checking the cost model."""
-
-    num_tokens: int = 0  # fed to the target, drafts included
-    num_seqs: int = 0
-    seconds: float = 0.0  # measured target forward, verification and sampling
-    predicted_seconds: float | None = None  # the cost model's forecast of this step as scheduled (with a policy)
-    draft_seconds: float = 0.0  # the drafter's proposal at the end of this step
-    chosen_k: list[int] = field(default_factory=list)  # draft lengths for the next step, per decoding request
-    spec: SpecStats = field(default_factory=SpecStats)  # the verifications of this step
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -108,8 +94,9 @@ def make_drafter(spec: SpecConfig, runner: ModelRunner, target: str | None) -> D
     return None
 
 
-class LLMEngine:
-    """Continuous-batching engine over the paged KV cache."""
+class LLMEngine(EngineCore):
+    """Continuous-batching engine over the paged KV cache: loads the model, admits and aborts
+    requests, detokenises; its steps are EngineCore's, executed by the ModelRunner."""
 
     def __init__(self, config: EngineConfig = EngineConfig()):
         self.config = config
@@ -138,12 +125,10 @@ class LLMEngine:
         self._arrivals = itertools.count()
         int4 = any(layer.int4 for layer in model.layers)
         int4_knots = (INT4_ROW_TILE, INT4_ROW_TILE + 1, INT4_MAX_TOKENS, INT4_MAX_TOKENS + 1)
-        self.step_cost = StepCostModel(DEFAULT_KNOTS + (int4_knots if int4 else ()))
-        self.draft_cost = DraftCostModel()
-        self.last_step_stats = StepStats()
+        super().__init__(self.scheduler, self.runner, self.drafter,
+                         self._make_policy() if self.drafter is not None else None, time.perf_counter,
+                         DEFAULT_KNOTS + (int4_knots if int4 else ()))
         self.step_log = StepLog(config.step_log, tuple(self.step_cost.knots)) if config.step_log else None
-        self.k_histogram: dict[int, int] = {}  # how often each draft length was chosen, all steps
-        self.policy = self._make_policy() if self.drafter is not None else None
         self._profile_rows: dict[str, list] | None = None  # while profiling: what it measured
         if self.policy is not None and self.policy.mode == "adaptive" and config.startup_profile != "off":
             self._startup_profile()
@@ -201,109 +186,36 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, and report every request that got a token."""
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
-        stats = StepStats(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))
-        context = sum(s.seq.num_computed_tokens + s.num_new_tokens for s in out.scheduled)
-        verifying = out.verifying  # sequences verifying drafts: the cost model's feature, the log's column
-        if self.policy is not None:  # the step as it runs, arrivals included (the policy chose before them)
-            stats.predicted_seconds = self.step_cost.predict(stats.num_tokens, stats.num_seqs, context, verifying)
-        start = time.perf_counter()
-        results, features = self.runner.execute(out.scheduled)  # ends in a device sync (.tolist())
-        stats.seconds = time.perf_counter() - start
-        # the draft bias needs a prediction per step (and so the fit's refits): not without a policy
-        drafts = out.decode_drafts if self.policy is not None else None
-        self._record_step(stats.num_tokens, stats.num_seqs, context, stats.seconds, drafts, verifying,
-                          stats.predicted_seconds)
-        self.last_step_stats = stats
-        gained = iter(results)
-        outputs, decoding = [], []
-        offset = 0
-        for s in out.scheduled:
-            seq = s.seq
-            fed = s.num_new_tokens - s.num_draft_tokens
-            seq.num_computed_tokens += fed
-            tokens = next(gained) if s.samples else []
-            if s.num_draft_tokens:  # accepted drafts already have their KV written
-                seq.spec.record(s.num_draft_tokens, len(tokens) - 1)
-                self.policy.record(s.num_draft_tokens, len(tokens) - 1)
-                stats.spec.record(s.num_draft_tokens, len(tokens) - 1)
-                seq.num_computed_tokens += len(tokens) - 1
-                seq.draft_token_ids, seq.draft_probs = [], None
-            elif s.samples and self.policy is not None:
-                seq.spec.fade()  # a token without drafts: its acceptance estimate ages (SpecStats.fade)
-            if features is not None:  # the verified positions' features, for the draft head
-                self.drafter.observe(seq, features[offset:offset + fed + max(0, len(tokens) - 1)])
-            offset += s.num_new_tokens
-            if not s.samples:
-                continue
-            for t in tokens:
-                self._append(seq, t)
-                if seq.is_finished:
-                    break
-            outputs.append(self._output(seq))
-            if not seq.is_finished:
-                decoding.append(seq)
-        if self.policy is not None and decoding:
-            self._propose(decoding)
-        return outputs
+        return [self._output(seq) for seq in super().step() or ()]
 
-    def _propose(self, seqs: list[Sequence]) -> None:
-        """Drafts for the next step, as many per request as the policy chooses."""
-        ks = self._choose_k(seqs)
-        stats = self.last_step_stats
-        stats.chosen_k = list(ks)  # the policy's choice; ks is trimmed to free blocks below
-        for k in ks:
-            self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
-        for seq, k in zip(seqs, ks):
-            seq.spec.chosen_k = k
-        ks = self.scheduler.reserve_drafts(seqs, ks)
-        if not any(ks):
-            return  # speculation off this step: no drafter call at all
-        catch_up = sum(self.drafter.catch_up(s) for s, k in zip(seqs, ks) if k)
-        start = time.perf_counter()
-        drafts, probs = self.drafter.propose(seqs, ks)
-        stats.draft_seconds = time.perf_counter() - start
-        self._record_draft(max(ks), sum(ks), catch_up, stats.draft_seconds)
-        for i, (seq, draft) in enumerate(zip(seqs, drafts)):
-            seq.draft_token_ids = list(draft)
-            seq.draft_probs = None if probs is None else probs[i]
-
-    def _choose_k(self, seqs: list[Sequence]) -> list[int]:
-        """The policy's draft lengths, given the step the scheduler is about to build: the
-        decoding requests' one token each plus the prefill it will feed next."""
-        load = self.scheduler.spec_load(seqs)
-        most = self.policy.most(len(seqs))  # 0 (a schedule's): no lookup, K = 0 costs the drafter nothing
-        caps = self.drafter.available(seqs, most) if most else [0] * len(seqs)
-        views = [s.spec_view(cap, self.drafter.catch_up(s)) for s, cap in zip(seqs, caps)]
-        return self.policy.choose(views, load.tokens, load.seqs, load.context, self.step_cost.pricing(load.tokens),
-                                  self.draft_cost.predict, load.draft_budget)
+    def emit(self, seq: Sequence, tokens: list[int]) -> None:
+        for t in tokens:
+            self._append(seq, t)
+            if seq.is_finished:
+                break
 
     def _make_policy(self) -> SpecPolicy:
         spec = self.config.spec
         max_k = max(k for *_, k in parse_schedule(spec.schedule)) if spec.schedule else spec.num_speculative_tokens
         return SpecPolicy(spec.mode, max_k, spec.schedule)
 
-    def _record_step(self, tokens: int, seqs: int, context: int, seconds: float, drafts: int | None,
-                     verifying: int, predicted: float | None = None) -> None:
+    def record_step(self, tokens: int, seqs: int, context: int, seconds: float, drafts: int | None,
+                    verifying: int, predicted: float | None = None) -> None:
         """A measured target step into the step-cost fit (an anchor while profiling) and the step log."""
-        profiling = self._profile_rows is not None
-        if profiling:
+        if self.profiling:
             self._profile_rows["steps"].append([tokens, seqs, context, seconds, drafts, verifying])
-        self.step_cost.observe(tokens, seqs, context, seconds, anchor=profiling, drafts=drafts, drafting=verifying)
+        super().record_step(tokens, seqs, context, seconds, drafts, verifying, predicted)
         if self.step_log is not None:
-            self.step_log.step(tokens, seqs, context, seconds, profiling, drafts, predicted,
-                               None if self.policy is None and not profiling else verifying)
+            self.step_log.step(tokens, seqs, context, seconds, self.profiling, drafts, predicted,
+                               None if self.policy is None and not self.profiling else verifying)
 
-    def _record_draft(self, forwards: int, tokens: int, catch_up: int, seconds: float) -> None:
+    def record_draft(self, forwards: int, tokens: int, catch_up: int, seconds: float) -> None:
         """A measured proposal into the draft-cost fit (an anchor while profiling) and the step log."""
-        profiling = self._profile_rows is not None
-        if profiling:
+        if self.profiling:
             self._profile_rows["drafts"].append([forwards, tokens, catch_up, seconds])
-        self.draft_cost.observe(forwards, tokens, catch_up, seconds, anchor=profiling)
+        super().record_draft(forwards, tokens, catch_up, seconds)
         if self.step_log is not None:
-            self.step_log.draft(forwards, tokens, catch_up, seconds, profiling)
+            self.step_log.draft(forwards, tokens, catch_up, seconds, self.profiling)
 
     def _startup_profile(self) -> None:
         """Anchor the cost models with the stored profile of this set-up, else (startup_profile
@@ -321,15 +233,16 @@ class LLMEngine:
             self._profile_rows = {"steps": [], "drafts": []}
             try:
                 if stored is not None:
+                    self.profiling = True
                     for row in stored["steps"]:
-                        self._record_step(*row)
+                        self.record_step(*row)
                     for row in stored.get("drafts", []):
-                        self._record_draft(*row)
+                        self.record_draft(*row)
                 else:
                     self.profile()
                     profile_cache.save(key, self._profile_rows)
             finally:
-                self._profile_rows = None
+                self._profile_rows, self.profiling = None, False
 
     def _profile_identity(self) -> dict:
         """What the stored profile must have been measured under (see profile_cache)."""
@@ -345,25 +258,15 @@ class LLMEngine:
                 "knots": self.step_cost.knots, "tidal": __version__, "torch": torch.__version__}
 
     def profile(self) -> None:
-        """Seed the cost models with real steps over dummy requests at a few batch sizes and
-        draft lengths (cost.profile_grid; a few seconds at start-up); they stay in the fits as
-        anchors where the live load has no samples. The policy's acceptance prior is left as it was."""
-        policy = self.policy
+        """Seed the cost models with real steps over dummy requests (EngineCore.profile; a few
+        seconds at start-up)."""
         greedy = SamplingParams(max_tokens=PROFILE_MAX_TOKENS, temperature=0, ignore_eos=True)
         prompt = [(7 * i) % 97 + 3 for i in range(8)] * (PROFILE_PROMPT_LEN // 8)  # repeats, so n-gram drafts too
         rows, self._profile_rows = self._profile_rows, self._profile_rows or {"steps": [], "drafts": []}
         try:
-            for n, k in profile_grid(self.block_manager.num_blocks * self.block_manager.block_size):
-                self.policy = SpecPolicy("fixed", k) if k else None
-                ids = [f"profile-{n}-{k}-{i}" for i in range(n)]
-                for rid in ids:
-                    self.add_request(rid, prompt, greedy)
-                while any(rid in self._requests for rid in ids):
-                    self.step()
+            super().profile(lambda rid: self.add_request(rid, prompt, greedy))
         finally:
-            self.policy, self._profile_rows = policy, rows
-            self.last_step_stats = StepStats()
-            self.k_histogram.clear()
+            self._profile_rows = rows
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output_token_ids.append(token)

@@ -2,10 +2,10 @@
 by the real StepCostModel / DraftCostModel, fitted online as in the engine), with a step-time
 model in place of the model forward and an acceptance model in place of the verifier.
 
-One simulated step mirrors `LLMEngine.step()`: schedule, time the forward, feed every scheduled
-sequence its tokens, accept a sampled prefix of each request's drafts plus the bonus token,
-finish requests at their output length, then let the policy choose the next draft lengths and
-time the drafter. Closed-loop clients keep `concurrency` requests in flight: a finished request
+A simulated step is the engine's own (EngineCore.step): schedule, time the forward, feed every
+scheduled sequence its tokens, accept a sampled prefix of each request's drafts plus the bonus
+token, finish requests at their output length, then let the policy choose the next draft
+lengths and time the drafter. Closed-loop clients keep `concurrency` requests in flight: a finished request
 is replaced at once until `num_prompts` have been sent, as `tidal bench` does.
 """
 
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from tidal.adaptive.cost import (DEFAULT_KNOTS, PROFILE_MAX_TOKENS, PROFILE_PROMPT_LEN, DraftCostModel,
-                                 StepCostModel, profile_grid)
+from tidal.adaptive.cost import DEFAULT_KNOTS, PROFILE_MAX_TOKENS, PROFILE_PROMPT_LEN
 from tidal.adaptive.policy import SpecPolicy, parse_schedule
 from tidal.config import SchedulerConfig
 from tidal.engine.block_manager import BlockManager
-from tidal.engine.scheduler import Scheduler, SchedulerOutput
+from tidal.engine.core import EngineCore
+from tidal.engine.scheduler import ScheduledSeq, Scheduler
 from tidal.sampling_params import SamplingParams
 from tidal.sequence import Sequence
 from tidal.sim.roofline import StepShape
@@ -183,20 +183,56 @@ class SimRun:
     chosen_k: list[int] = field(default_factory=list)  # every choice of the policy, per request per step
 
 
-class Simulator:
-    """Runs a workload through the real scheduler and policy on simulated time."""
+class _SimExecutor:
+    """The step's forward as the step-time model prices it (the simulated clock moves by it),
+    and each verification's accepted prefix drawn from the acceptance model."""
+
+    def __init__(self, sim: "Simulator"):
+        self.sim = sim
+
+    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[list[int]], None]:
+        sim = self.sim
+        sim.now += sim.step_model.step_time(step_shape(scheduled))
+        return [[1] * (1 + (sim.acceptance.sample(s.num_draft_tokens, sim.rng) if s.num_draft_tokens else 0))
+                for s in scheduled if s.samples], None
+
+
+class _SimDrafter:
+    """A drafter that costs what the step-time model says and proposes placeholder tokens; its
+    head (EAGLE-3) is caught up on a sequence whenever it drafts for it."""
+
+    def __init__(self, sim: "Simulator"):
+        self.sim = sim
+
+    def available(self, seqs: list[Sequence], max_k: int) -> list[int]:
+        return [max_k] * len(seqs)
+
+    def catch_up(self, seq: Sequence) -> int:
+        return catch_up_positions(seq)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], None]:
+        self.sim.now += self.sim.step_model.draft_time(ks, sum(catch_up_positions(s) for s, k in zip(seqs, ks) if k))
+        for seq, k in zip(seqs, ks):
+            if k:
+                seq.draft_num_computed = seq.num_computed_tokens
+        return [[1] * k for k in ks], None
+
+    def observe(self, seq: Sequence, features) -> None:
+        pass
+
+
+class Simulator(EngineCore):
+    """Runs a workload through the engine's own step loop (EngineCore) on simulated time."""
 
     def __init__(self, step_model: StepTimeModel, mode: SpecMode, acceptance: AcceptanceModel,
                  scheduler: SchedulerConfig = SchedulerConfig(), num_blocks: int = 1 << 16,
                  block_size: int = 16, seed: int = 0, knots=DEFAULT_KNOTS):
         self.step_model, self.mode, self.acceptance = step_model, mode, acceptance
         self.block_manager = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(scheduler, self.block_manager)
-        self.policy = mode.make_policy()
-        self.step_cost, self.draft_cost = StepCostModel(knots), DraftCostModel()
         self.rng = random.Random(seed)
-        self.clock = 0.0
-        self._profiling = False
+        self.now = 0.0  # simulated seconds
+        super().__init__(Scheduler(scheduler, self.block_manager), _SimExecutor(self), _SimDrafter(self),
+                         mode.make_policy(), lambda: self.now, knots)
         self._ids = itertools.count()
         self._run = SimRun([], 0.0)
         self._workload, self._sent, self._traces = None, 0, {}
@@ -208,13 +244,13 @@ class Simulator:
     def run(self, workload: Workload) -> SimRun:
         """Simulate the closed loop to the last request; times are simulated seconds."""
         self._run = run = SimRun([], 0.0)
-        self._workload, self._sent, self._traces, start = workload, 0, {}, self.clock
+        self._workload, self._sent, self._traces, start = workload, 0, {}, self.now
         for _ in range(min(workload.concurrency, workload.num_prompts)):
             self._send()
         while self.scheduler.has_unfinished():
             self.step()
         run.traces = list(self._traces.values())
-        run.duration = self.clock - start
+        run.duration = self.now - start
         return run
 
     def _send(self) -> None:
@@ -223,7 +259,7 @@ class Simulator:
             return
         self._sent += 1
         seq = self._add([1] * w.input_len, w.output_len)
-        self._traces[seq.request_id] = RequestTrace(self.clock)
+        self._traces[seq.request_id] = RequestTrace(self.now)
 
     def _add(self, prompt: list[int], max_tokens: int) -> Sequence:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -232,93 +268,41 @@ class Simulator:
         self.scheduler.add(seq)
         return seq
 
-    # ------------------------------------------------------------ one step (LLMEngine.step)
+    # ------------------------------------------------------------ the owner's part of a step
 
-    def step(self) -> None:
-        """One engine step on simulated time (see the module docstring)."""
-        out = self.scheduler.schedule()
-        if not out.scheduled:
+    def step(self) -> list[Sequence]:
+        """One engine step on simulated time (EngineCore.step), counted into the run."""
+        sampled = super().step()
+        if sampled is None:
             raise RuntimeError("nothing could be scheduled: the KV cache is too small for one request")
-        shape = step_shape(out)
-        seconds = self.step_model.step_time(shape)
-        self.step_cost.observe(shape.tokens, shape.seqs, shape.context, seconds, anchor=self._profiling,
-                               drafts=out.decode_drafts, drafting=shape.verifying)
-        self.clock += seconds
-        self._run.num_steps += 1
-        decoding = []
-        for s in out.scheduled:
-            seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens
-            if not s.samples:
-                continue
-            accepted = self.acceptance.sample(s.num_draft_tokens, self.rng) if s.num_draft_tokens else 0
-            if s.num_draft_tokens:  # accepted drafts already have their KV written
-                seq.spec.record(s.num_draft_tokens, accepted)
-                self.policy.record(s.num_draft_tokens, accepted)
-                self._run.num_verifications += 1
-                self._run.num_drafted += s.num_draft_tokens
-                self._run.num_accepted += accepted
-                seq.num_computed_tokens += accepted
-                seq.draft_token_ids = []
-            elif self.policy is not None:
-                seq.spec.fade()  # as the engine does
-            self._emit(seq, accepted + 1)
-            if not seq.is_finished:
-                decoding.append(seq)
-        if self.policy is not None and decoding:
-            self._propose(decoding)
+        run, stats = self._run, self.last_step_stats
+        run.num_steps += 1
+        if stats.spec.drafted_per_position:  # every verification drafts position 0
+            run.num_verifications += stats.spec.drafted_per_position[0]
+            run.num_drafted += stats.spec.num_drafted
+            run.num_accepted += stats.spec.num_accepted
+        if not self.profiling:
+            run.chosen_k.extend(stats.chosen_k)
+        return sampled
 
-    def _emit(self, seq: Sequence, n: int) -> None:
-        n = min(n, seq.params.max_tokens - len(seq.output_token_ids))
+    def emit(self, seq: Sequence, tokens: list[int]) -> None:
+        n = min(len(tokens), seq.params.max_tokens - len(seq.output_token_ids))
         seq.output_token_ids.extend([1] * n)
-        trace = self._traces.get(seq.request_id) if not self._profiling else None
+        trace = self._traces.get(seq.request_id) if not self.profiling else None
         if trace is not None:
-            trace.chunks.append((self.clock, n))
+            trace.chunks.append((self.now, n))
         if len(seq.output_token_ids) >= seq.params.max_tokens:
             self.scheduler.finish(seq, "length")
             if trace is not None:
                 self._send()
 
-    def _propose(self, seqs: list[Sequence]) -> None:
-        """LLMEngine._propose with the drafter replaced by the step-time model's draft time."""
-        ks = self._choose_k(seqs)
-        if not self._profiling:
-            self._run.chosen_k.extend(ks)
-        for seq, k in zip(seqs, ks):
-            seq.spec.chosen_k = k
-        ks = self.scheduler.reserve_drafts(seqs, ks)
-        if not any(ks):
-            return  # speculation off this step: no drafter call at all
-        catch_up = sum(catch_up_positions(s) for s, k in zip(seqs, ks) if k)
-        seconds = self.step_model.draft_time(ks, catch_up)
-        self.draft_cost.observe(max(ks), sum(ks), catch_up, seconds, anchor=self._profiling)
-        self.clock += seconds
-        for seq, k in zip(seqs, ks):
-            seq.draft_token_ids = [1] * k
-            if k:
-                seq.draft_num_computed = seq.num_computed_tokens  # the drafter caught up
-
-    def _choose_k(self, seqs: list[Sequence]) -> list[int]:
-        """LLMEngine._choose_k: the policy's draft lengths for the step about to be built."""
-        load = self.scheduler.spec_load(seqs)
-        views = [s.spec_view(self.policy.max_k, catch_up_positions(s)) for s in seqs]
-        return self.policy.choose(views, load.tokens, load.seqs, load.context, self.step_cost.pricing(load.tokens),
-                                  self.draft_cost.predict, load.draft_budget)
-
     def profile(self) -> None:
-        """LLMEngine.profile(): anchor the cost models with steps over dummy requests at the
-        batch sizes and draft lengths of cost.profile_grid; the simulated clock does not move."""
-        policy, clock, run = self.policy, self.clock, self._run
-        self._profiling = True
+        """LLMEngine's start-up profile (EngineCore.profile); the simulated clock does not move."""
+        now, run = self.now, self._run
         try:
-            for n, k in profile_grid(self.block_manager.num_blocks * self.block_manager.block_size):
-                self.policy = SpecPolicy("fixed", k) if k else None
-                for _ in range(n):
-                    self._add([1] * PROFILE_PROMPT_LEN, PROFILE_MAX_TOKENS)
-                while self.scheduler.has_unfinished():
-                    self.step()
+            super().profile(lambda _: self._add([1] * PROFILE_PROMPT_LEN, PROFILE_MAX_TOKENS))
         finally:
-            self.policy, self.clock, self._run, self._profiling = policy, clock, run, False
+            self.now, self._run = now, run
 
 
 def catch_up_positions(seq: Sequence) -> int:
@@ -326,15 +310,16 @@ def catch_up_positions(seq: Sequence) -> int:
     return seq.num_computed_tokens - seq.draft_num_computed
 
 
-def step_shape(out: SchedulerOutput) -> StepShape:
+def step_shape(scheduled: list[ScheduledSeq]) -> StepShape:
     """The step-time model's view of a scheduled batch (before the step updates it); `context`
     is what the engine feeds StepCostModel."""
-    tokens = context = drafts = logits = pairs = 0
-    for s in out.scheduled:
+    tokens = context = drafts = logits = pairs = verifying = 0
+    for s in scheduled:
         n, done = s.num_new_tokens, s.seq.num_computed_tokens
         tokens += n
         context += done + n
         drafts += s.num_draft_tokens
         logits += (1 + s.num_draft_tokens) if s.samples else 0
         pairs += n * done + n * (n + 1) // 2
-    return StepShape(tokens, len(out.scheduled), context, drafts, logits, pairs, out.verifying)
+        verifying += s.num_draft_tokens > 0
+    return StepShape(tokens, len(scheduled), context, drafts, logits, pairs, verifying)
