@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from tidal.engine.llm_engine import RequestOutput  # noqa: E402
+from tidal.engine.llm_engine import EngineLoad, RequestOutput  # noqa: E402
 from tidal.sampling_params import InvalidParameter  # noqa: E402
 from tidal.sequence import Sequence, SequenceStatus  # noqa: E402
 from tidal.server import build_app  # noqa: E402
@@ -30,38 +30,39 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    """Each step gives every request the letter 'x' and records a 2-token draft with 1 accepted;
-    `fail` makes step() raise; `with_stats` exposes last_step_stats with chosen_k."""
+    """Each step gives every request the letter 'x' and a 2-token draft verified with 1 accepted;
+    `fail` makes step() raise; `with_stats` publishes last_step_stats with chosen_k."""
 
     def __init__(self, with_stats: bool = True, step_s: float = 0.002):
         self.tokenizer = FakeTokenizer()
-        self.model_config = SimpleNamespace(max_model_len=4096)
-        self.block_manager = SimpleNamespace(num_blocks=100, block_size=16, num_free_blocks=100)
-        self.scheduler = SimpleNamespace(running=[], waiting=[])
+        self.max_context_len = 4096
         self.seqs: dict[str, Sequence] = {}
         self.fail, self.with_stats, self.step_s = False, with_stats, step_s
+        self.last_step_stats = None
 
     def add_request(self, rid, ids, params):
         if len(ids) + params.max_tokens > 4096:
             raise InvalidParameter("max_tokens", "too large")
         seq = self.seqs[rid] = Sequence(rid, list(ids), params)
-        self.scheduler.running.append(seq)
-        self.block_manager.num_free_blocks -= 1
         return seq
 
-    def abort(self, rid) -> bool:
+    def abort(self, rid) -> RequestOutput | None:
         seq = self.seqs.pop(rid, None)
-        if seq is not None:
-            self._free(seq, "abort")
-        return seq is not None
-
-    def _free(self, seq, reason):
-        self.scheduler.running.remove(seq)
-        self.block_manager.num_free_blocks += 1
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        if seq is None:
+            return None
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        return self._output(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(len(self.seqs), 0, len(self.seqs) / 100)
+
+    @staticmethod
+    def _output(seq, drafted=0, accepted=0) -> RequestOutput:
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), seq.output_text,
+                             seq.is_finished, seq.finish_reason, drafted, accepted)
 
     def step(self):
         if self.fail:
@@ -71,12 +72,10 @@ class FakeEngine:
         for rid, seq in list(self.seqs.items()):
             seq.output_token_ids.append(7)
             seq.output_text += "x"
-            seq.spec.record(2, 1)
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 del self.seqs[rid]
-                self._free(seq, "length")
-            outs.append(RequestOutput(rid, seq.prompt_token_ids, list(seq.output_token_ids),
-                                      seq.output_text, seq.is_finished, seq.finish_reason))
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+            outs.append(self._output(seq, 2, 1))
         if self.with_stats:
             self.last_step_stats = SimpleNamespace(chosen_k=[2] * len(outs))
         return outs
@@ -158,7 +157,7 @@ def test_drain_aborts_at_the_deadline_and_refuses_new_requests():
             events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
             assert events[-1]["choices"][0]["finish_reason"] == "abort"
             assert 0.2 < time.monotonic() - t0 < 5
-        assert not engine.seqs and engine.block_manager.num_free_blocks == 100
+        assert not engine.seqs and engine.load().running == 0
 
 
 def test_api_key_and_bad_input_shapes():

@@ -95,11 +95,15 @@ def test_ngram_greedy_equals_no_speculation_on_tiny_model(tiny_model_dir):
     spec_llm = tiny(tiny_model_dir, "ngram")
     eng = spec_llm.engine
     seqs = [eng.add_request(str(i), p, REPEAT) for i, p in enumerate(ps)]
+    published = {str(i): [0, 0] for i in range(len(ps))}  # what the step results say, per request
     while eng.has_unfinished():
-        eng.step()
+        for out in eng.step():
+            published[out.request_id][0] += out.num_draft_tokens
+            published[out.request_id][1] += out.num_accepted_tokens
     assert [s.output_token_ids for s in seqs] == [o.token_ids for o in plain]
     assert sum(s.spec.num_accepted for s in seqs) > 0
     assert all(s.spec.num_accepted <= s.spec.num_drafted for s in seqs)
+    assert [published[s.request_id] for s in seqs] == [[s.spec.num_drafted, s.spec.num_accepted] for s in seqs]
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
 
 

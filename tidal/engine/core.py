@@ -66,9 +66,9 @@ class EngineCore:
 
     # ------------------------------------------------------------ the step
 
-    def step(self) -> list[Sequence] | None:
-        """Schedule and run one step; the sequences that sampled (got tokens), in order, or None
-        when nothing could be scheduled."""
+    def step(self) -> list[tuple[Sequence, int, int]] | None:
+        """Schedule and run one step; for each sequence that sampled (got tokens), in order, the
+        drafts it verified and how many were accepted; None when nothing could be scheduled."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             return None
@@ -107,7 +107,7 @@ class EngineCore:
             if not s.samples:
                 continue
             self.emit(seq, tokens)
-            sampled.append(seq)
+            sampled.append((seq, s.num_draft_tokens, max(0, len(tokens) - 1) if s.num_draft_tokens else 0))
             if not seq.is_finished:
                 decoding.append(seq)
         if self.policy is not None and decoding:

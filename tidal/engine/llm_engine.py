@@ -49,6 +49,17 @@ class RequestOutput:
     text: str
     finished: bool
     finish_reason: str | None
+    num_draft_tokens: int = 0  # drafts this step verified for the request
+    num_accepted_tokens: int = 0  # ... and how many of them it accepted
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's queue and KV cache, as published after each step (for gauges)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -171,22 +182,33 @@ class LLMEngine(EngineCore):
                 "max_tokens", f"too large: the KV cache holds {capacity} tokens, and the request "
                 f"needs {len(ids) + params.max_tokens}")
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks. False if it is unknown or already finished."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; its last output (finish_reason "abort"), or None
+        if it is unknown or already finished."""
         seq = self._requests.pop(request_id, None)
         if seq is None:
-            return False
+            return None
         self.scheduler.finish(seq, "abort")
-        return True
+        return self._output(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def load(self) -> EngineLoad:
+        bm = self.block_manager
+        return EngineLoad(len(self.scheduler.running), len(self.scheduler.waiting),
+                          1.0 - bm.num_free_blocks / bm.num_blocks)
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest prompt + completion a request may have: the model's, or the KV cache's."""
+        return min(self.model_config.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
 
     # ------------------------------------------------------------ step
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, and report every request that got a token."""
-        return [self._output(seq) for seq in super().step() or ()]
+        return [self._output(seq, drafted, accepted) for seq, drafted, accepted in super().step() or ()]
 
     def emit(self, seq: Sequence, tokens: list[int]) -> None:
         for t in tokens:
@@ -292,9 +314,9 @@ class LLMEngine(EngineCore):
             del self._requests[seq.request_id]
 
     @staticmethod
-    def _output(seq: Sequence) -> RequestOutput:
+    def _output(seq: Sequence, drafted: int = 0, accepted: int = 0) -> RequestOutput:
         return RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
-                             seq.output_text, seq.is_finished, seq.finish_reason)
+                             seq.output_text, seq.is_finished, seq.finish_reason, drafted, accepted)
 
 
 class LLM:

@@ -147,8 +147,7 @@ class _Generation:
         self.aengine, self.tokenizer = aengine, engine.tokenizer
         self.model_name, self.max_waiting = model_name, max_waiting
         self.created = p.now()
-        bm = engine.block_manager
-        self.context_limit = min(engine.model_config.max_model_len, bm.num_blocks * bm.block_size)
+        self.context_limit = engine.max_context_len
 
     # ------------------------------------------------------------ endpoints
 

@@ -15,11 +15,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from tidal.engine.llm_engine import LLMEngine, RequestOutput
+from tidal.engine.llm_engine import EngineLoad, LLMEngine, RequestOutput
 from tidal.sampling_params import SamplingParams
-from tidal.sequence import Sequence
 from tidal.server.metrics import ServerMetrics, chosen_ks
 
 log = logging.getLogger("tidal.server")
@@ -82,12 +81,9 @@ class _Tracked:
     """What the engine thread keeps per request, for streaming and metrics."""
 
     stream: RequestStream
-    seq: Sequence
     last_output: float | None = None
     first_token: float | None = None
     num_tokens: int = 0
-    drafted: list[int] = field(default_factory=list)  # spec counts already exported
-    accepted: list[int] = field(default_factory=list)
 
 
 class ComputeThread:
@@ -132,10 +128,9 @@ class AsyncEngine:
         self._last_step_stats = None
         self.draining = False
         self.error: BaseException | None = None
-        bm = engine.block_manager
-        metrics.bind_state(running=lambda: len(engine.scheduler.running),
-                           waiting=lambda: len(engine.scheduler.waiting),
-                           kv_usage=lambda: 1.0 - bm.num_free_blocks / bm.num_blocks)
+        self.load = EngineLoad()  # what the engine published after its last step (engine thread writes)
+        metrics.bind_state(running=lambda: self.load.running, waiting=lambda: self.load.waiting,
+                           kv_usage=lambda: self.load.kv_cache_usage)
 
     # ------------------------------------------------------------ event-loop side
 
@@ -222,6 +217,7 @@ class AsyncEngine:
         if engine.has_unfinished():
             outputs = engine.step()
             self._publish(outputs, batch)
+        self.load = engine.load()
         self._send(batch)
         return True
 
@@ -231,28 +227,24 @@ class AsyncEngine:
             if stream.done:  # aborted before it reached the engine
                 return
             try:
-                seq = self.engine.add_request(stream.request_id, cmd.prompt_token_ids, cmd.params)
+                self.engine.add_request(stream.request_id, cmd.prompt_token_ids, cmd.params)
             except Exception as e:  # noqa: BLE001 -- refuses this request only (ValueError: a 400)
                 batch.append((stream, e))
                 return
-            self._tracked[stream.request_id] = _Tracked(stream, seq)
+            self._tracked[stream.request_id] = _Tracked(stream)
             batch.append((stream, ACCEPTED))
         elif isinstance(cmd, _Abort):
             t = self._tracked.pop(cmd.request_id, None)
             if t is not None:
                 self.engine.abort(cmd.request_id)
-                self._record_spec(t)
                 self.metrics.request_finished("abort")
         elif isinstance(cmd, _Drain):
             self._drain_deadline = cmd.deadline
 
     def _abort_all(self, batch: list) -> None:
         for rid, t in list(self._tracked.items()):
-            self.engine.abort(rid)
-            seq = t.seq
-            batch.append((t.stream, RequestOutput(rid, seq.prompt_token_ids, list(seq.output_token_ids),
-                                                  seq.output_text, True, "abort")))
-            self._record_spec(t)
+            out = self.engine.abort(rid) or RequestOutput(rid, [], [], "", True, "abort")
+            batch.append((t.stream, out))
             self.metrics.request_finished("abort")
         self._tracked.clear()
 
@@ -272,7 +264,9 @@ class AsyncEngine:
                 m.inter_token_latency.observe(now - t.last_output)
             t.last_output = now
             m.generation_tokens.inc(max(0, new_tokens))
-            self._record_spec(t)
+            if out.num_draft_tokens:
+                d, a = out.num_draft_tokens, out.num_accepted_tokens
+                m.spec_positions([1] * d, [1] * a + [0] * (d - a))
             if out.finished:
                 del self._tracked[out.request_id]
                 m.e2e_request_latency.observe(now - t.stream.arrival)
@@ -280,20 +274,10 @@ class AsyncEngine:
                     m.time_per_output_token.observe((now - t.first_token) / (t.num_tokens - 1))
                 m.request_finished(out.finish_reason)
             batch.append((t.stream, out))
-        stats = getattr(self.engine, "last_step_stats", None)
+        stats = self.engine.last_step_stats  # the step's published result
         if stats is not None and stats is not self._last_step_stats:  # a fresh step's, not stale
             self._last_step_stats = stats
             m.observe_chosen_k(chosen_ks(stats))
-
-    def _record_spec(self, t: _Tracked) -> None:
-        spec = t.seq.spec
-        drafted, accepted = spec.drafted_per_position, spec.accepted_per_position
-        if drafted == t.drafted and accepted == t.accepted:
-            return
-        pad = lambda xs: xs + [0] * (len(drafted) - len(xs))  # noqa: E731
-        self.metrics.spec_positions([a - b for a, b in zip(drafted, pad(t.drafted))],
-                                    [a - b for a, b in zip(accepted, pad(t.accepted))])
-        t.drafted, t.accepted = list(drafted), list(accepted)
 
     def _fail_inbox(self, error: BaseException) -> None:
         """Answer requests still queued for the engine, which will never take them now."""

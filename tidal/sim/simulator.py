@@ -270,7 +270,7 @@ class Simulator(EngineCore):
 
     # ------------------------------------------------------------ the owner's part of a step
 
-    def step(self) -> list[Sequence]:
+    def step(self) -> list[tuple[Sequence, int, int]]:
         """One engine step on simulated time (EngineCore.step), counted into the run."""
         sampled = super().step()
         if sampled is None:
