@@ -108,7 +108,8 @@ def test_catch_up_keeps_the_head_kv_equal_to_one_full_pass(eagle_setup, monkeypa
     real_observe, real_choose = Eagle3Drafter.observe, Eagle3Drafter._choose
 
     def observe(self, seq, features):
-        if seq.draft_num_computed == 0 and not seq.draft_features:
+        state = self.state(seq)
+        if state.num_computed == 0 and not state.features:
             seen[id(seq)] = []  # (re)started from position 0, e.g. after a preemption
         seen[id(seq)].append(features.clone())
         real_observe(self, seq, features)
@@ -141,8 +142,8 @@ def test_catch_up_keeps_the_head_kv_equal_to_one_full_pass(eagle_setup, monkeypa
     while eng.has_unfinished():
         eng.step()
         for s in eng.scheduler.running:
-            m = s.draft_num_computed
-            if m < 4 or s.draft_features:
+            m, pending = drafter.state(s).num_computed, drafter.state(s).features
+            if m < 4 or pending:
                 continue
             feats = torch.cat(seen[id(s)])[:m]
             positions, meta = eng.runner.metadata([(s, 0, m)])
@@ -153,6 +154,7 @@ def test_catch_up_keeps_the_head_kv_equal_to_one_full_pass(eagle_setup, monkeypa
             torch.testing.assert_close(drafter.kv[1][slots], kv[1][slots], atol=1e-5, rtol=1e-5)
             checked += 1
     assert checked > 10
+    assert not drafter._states  # each request's head state dropped when it ended (or was preempted)
     assert [s.output_token_ids for s in seqs] == plain
     assert sum(s.spec.num_accepted for s in seqs) > 30
     if num_blocks == 60:
@@ -174,7 +176,7 @@ def test_paused_requests_features_do_not_keep_whole_steps_alive(eagle_setup, mon
 
     def observe(self, seq, features):
         if seq.request_id == "long":
-            if not seq.draft_features:
+            if not self.state(seq).features:
                 shadow.clear()
             shadow.append(features.clone())
         real_observe(self, seq, features)
@@ -190,7 +192,7 @@ def test_paused_requests_features_do_not_keep_whole_steps_alive(eagle_setup, mon
             eng.add_request(str(i), ps[i], SamplingParams(max_tokens=8 + i % 3, temperature=0, ignore_eos=True))
             i += 1
         eng.step()
-        pending = long.draft_features
+        pending = eng.drafter.state(long).features
         if pending:
             copied = max(copied, sum(not pins_more(f) for f in pending))
             assert sum(map(pins_more, pending)) < MAX_PENDING_VIEWS

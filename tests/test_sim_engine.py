@@ -86,12 +86,13 @@ class KnowingDrafter:
 
     def __init__(self, continuation):
         self.continuation = continuation
+        self.caught_up = {}
 
     def propose(self, seqs, ks):
         drafts = []
         for seq, k in zip(seqs, ks):
             if k:
-                seq.draft_num_computed = seq.num_computed_tokens
+                self.caught_up[seq] = seq.num_computed_tokens
             n = len(seq.output_token_ids)
             drafts.append([self.continuation[i] if i % 3 != 2 else self.continuation[i] + 1
                            for i in range(n, n + k)])
@@ -101,7 +102,10 @@ class KnowingDrafter:
         return [max_k] * len(seqs)
 
     def catch_up(self, seq):
-        return seq.num_computed_tokens - seq.draft_num_computed
+        return seq.num_computed_tokens - self.caught_up.get(seq, 0)
+
+    def forget(self, seq):
+        self.caught_up.pop(seq, None)
 
 
 class Replay:

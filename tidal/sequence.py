@@ -41,8 +41,6 @@ class Sequence:
     # speculation: drafts proposed for the next step, and what verification made of them
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: Any = None  # [k, V] tensor from a sampling drafter; None for n-gram
-    draft_num_computed: int = 0  # positions whose draft-head KV is valid (EAGLE)
-    draft_features: list = field(default_factory=list)  # target features the head has not seen
     spec: "SpecStats" = field(default_factory=lambda: SpecStats())
 
     @property

@@ -70,6 +70,9 @@ class EngineCore:
         """Schedule and run one step; for each sequence that sampled (got tokens), in order, the
         drafts it verified and how many were accepted; None when nothing could be scheduled."""
         out = self.scheduler.schedule()
+        if self.drafter is not None:
+            for seq in out.preempted:  # its drafter state went with its KV
+                self.drafter.forget(seq)
         if not out.scheduled:
             return None
         stats = StepStats(sum(s.num_new_tokens for s in out.scheduled), len(out.scheduled))
@@ -110,6 +113,8 @@ class EngineCore:
             sampled.append((seq, s.num_draft_tokens, max(0, len(tokens) - 1) if s.num_draft_tokens else 0))
             if not seq.is_finished:
                 decoding.append(seq)
+            elif self.drafter is not None:
+                self.drafter.forget(seq)
         if self.policy is not None and decoding:
             self._propose(decoding)
         return sampled

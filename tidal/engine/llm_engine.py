@@ -189,6 +189,8 @@ class LLMEngine(EngineCore):
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
+        if self.drafter is not None:
+            self.drafter.forget(seq)
         return self._output(seq)
 
     def has_unfinished(self) -> bool:

@@ -165,8 +165,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.draft_token_ids, seq.draft_probs = [], None
-        seq.draft_num_computed, seq.draft_features = 0, []  # the head's KV went with the blocks
+        seq.draft_token_ids, seq.draft_probs = [], None  # a drafter forgets it (out.preempted)
         seq.num_preemptions += 1
         self.add(seq)
 

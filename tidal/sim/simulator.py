@@ -199,23 +199,27 @@ class _SimExecutor:
 
 class _SimDrafter:
     """A drafter that costs what the step-time model says and proposes placeholder tokens; its
-    head (EAGLE-3) is caught up on a sequence whenever it drafts for it."""
+    head (EAGLE-3) is caught up on a sequence whenever it drafts for it (Eagle3Drafter.catch_up)."""
 
     def __init__(self, sim: "Simulator"):
         self.sim = sim
+        self._caught_up: dict[Sequence, int] = {}  # positions the head has seen, per request
 
     def available(self, seqs: list[Sequence], max_k: int) -> list[int]:
         return [max_k] * len(seqs)
 
     def catch_up(self, seq: Sequence) -> int:
-        return catch_up_positions(seq)
+        return seq.num_computed_tokens - self._caught_up.get(seq, 0)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], None]:
-        self.sim.now += self.sim.step_model.draft_time(ks, sum(catch_up_positions(s) for s, k in zip(seqs, ks) if k))
+        self.sim.now += self.sim.step_model.draft_time(ks, sum(self.catch_up(s) for s, k in zip(seqs, ks) if k))
         for seq, k in zip(seqs, ks):
             if k:
-                seq.draft_num_computed = seq.num_computed_tokens
+                self._caught_up[seq] = seq.num_computed_tokens
         return [[1] * k for k in ks], None
+
+    def forget(self, seq: Sequence) -> None:
+        self._caught_up.pop(seq, None)
 
     def observe(self, seq: Sequence, features) -> None:
         pass
@@ -303,11 +307,6 @@ class Simulator(EngineCore):
             super().profile(lambda _: self._add([1] * PROFILE_PROMPT_LEN, PROFILE_MAX_TOKENS))
         finally:
             self.now, self._run = now, run
-
-
-def catch_up_positions(seq: Sequence) -> int:
-    """Verified positions an EAGLE-3 head has not seen (Eagle3Drafter.catch_up)."""
-    return seq.num_computed_tokens - seq.draft_num_computed
 
 
 def step_shape(scheduled: list[ScheduledSeq]) -> StepShape:

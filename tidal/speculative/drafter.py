@@ -29,3 +29,7 @@ class Drafter(Protocol):
         """Positions the drafter must process before it can draft for `seq` (EAGLE-3 after a
         pause in speculation); the policy charges them to the step."""
         ...
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop what the drafter keeps for `seq`: it was preempted (its KV is gone) or ended."""
+        ...

@@ -3,13 +3,15 @@ extend a chain of up to k draft tokens per request, one head forward per draft p
 
 The head's KV cache has one slot per target slot and shares the target's block tables, so
 draft position p of a request lives where the target's position p does. Features of the
-target's verified tokens wait on the sequence (`draft_features`) until the next proposal, and
+target's verified tokens wait in the request's HeadState until the next proposal, and
 the head runs over all of them then, in one ragged forward. A request that is not speculating
 (k = 0) is skipped: its features pile up and are caught up lazily, in that one forward, the
 next time it drafts, so a pause in speculation costs the head nothing while it lasts.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +28,15 @@ def pins_more(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() > t.numel() * t.element_size()
 
 
+@dataclass
+class HeadState:
+    """The head's part of one request: positions whose head KV is valid, and the target's
+    features it has not seen yet."""
+
+    num_computed: int = 0
+    features: list = field(default_factory=list)
+
+
 class Eagle3Drafter:
     """Proposes with an EAGLE-3 head; needs the target's features at `aux_layers`."""
 
@@ -35,6 +46,14 @@ class Eagle3Drafter:
         shape = (runner.num_blocks * runner.block_size, c.num_kv_heads, c.head_dim)
         self.kv = (runner.cache_zeros(shape), runner.cache_zeros(shape))
         self.aux_layers = head.cfg.target_output_layers
+        self._states: dict[Sequence, HeadState] = {}
+
+    def state(self, seq: Sequence) -> HeadState:
+        return self._states.setdefault(seq, HeadState())
+
+    def forget(self, seq: Sequence) -> None:
+        """`seq` was preempted (its head KV went with its blocks) or ended."""
+        self._states.pop(seq, None)
 
     def observe(self, seq: Sequence, features: torch.Tensor) -> None:
         """Features of the target's verified tokens this step, in position order: a slice of the
@@ -43,7 +62,7 @@ class Eagle3Drafter:
         request's 120 views held 9.6 MB of step tensors for its own 94 kB), so every
         `MAX_PENDING_VIEWS` trailing views are copied into one tensor of their own: at most that
         many steps' tensors stay alive for a paused request, and each row is copied once."""
-        pending = seq.draft_features
+        pending = self.state(seq).features
         pending.append(features)
         # entries after a copy are views, so the one MAX_PENDING_VIEWS back tells for the rest
         if len(pending) >= MAX_PENDING_VIEWS and pins_more(pending[-MAX_PENDING_VIEWS]):
@@ -54,7 +73,7 @@ class Eagle3Drafter:
 
     def catch_up(self, seq: Sequence) -> int:
         """Verified positions whose features wait for the head (all of them after a pause)."""
-        return seq.num_computed_tokens - seq.draft_num_computed
+        return seq.num_computed_tokens - self.state(seq).num_computed
 
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]):
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -84,14 +103,15 @@ class Eagle3Drafter:
         for the bundled model's head (fc + qkv against the layer, MLP and 8192-row lm_head)."""
         ids, feats, rest, spans, last = [], [], [], [], []
         for seq in seqs:
-            start, end = seq.draft_num_computed, seq.num_computed_tokens
+            state = self.state(seq)
+            start, end = state.num_computed, seq.num_computed_tokens
             ids.extend(seq.token_ids[start + 1:end + 1])  # the head pairs feature p with token p + 1
-            feats.append(torch.cat(seq.draft_features))
+            feats.append(torch.cat(state.features))
             rest.extend([True] * (end - 1 - start) + [False])
             if end - 1 > start:
                 spans.append((seq, start, end - 1 - start))
             last.append((seq, end - 1, 1))
-            seq.draft_features, seq.draft_num_computed = [], end
+            state.features, state.num_computed = [], end
         device = self.runner.device
         ids, features = torch.tensor(ids, device=device), self.head.fuse(torch.cat(feats))
         rest = torch.tensor(rest, device=device)

@@ -40,6 +40,9 @@ class NgramDrafter:
     def catch_up(self, seq: Sequence) -> int:
         return 0  # stateless: nothing falls behind while a request does not draft
 
+    def forget(self, seq: Sequence) -> None:
+        pass
+
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]):
         drafts = []
         for s, k in zip(seqs, num_draft_tokens):
