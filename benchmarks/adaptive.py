@@ -26,8 +26,8 @@ import time
 import torch
 
 from tidal import LLM, SamplingParams
-from tidal.bench.datasets import chat_prompts, rewrite_prompts
 from tidal.config import SpecConfig
+from tidal.datasets import chat_prompts, rewrite_prompts
 
 
 def spec_for(mode: str, method: str) -> SpecConfig:

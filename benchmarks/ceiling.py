@@ -32,8 +32,8 @@ import time
 import torch
 
 from tidal import LLM, SamplingParams
-from tidal.bench.datasets import chat_prompts
 from tidal.config import CacheConfig, SpecConfig
+from tidal.datasets import chat_prompts
 from tidal.sequence import Sequence
 
 

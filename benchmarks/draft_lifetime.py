@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 
 from tidal import LLM, SamplingParams
-from tidal.bench.datasets import chat_prompts, rewrite_prompts
 from tidal.config import SpecConfig
+from tidal.datasets import chat_prompts, rewrite_prompts
 
 
 def lifetime(llm: LLM, prompts: list[list[int]], output_len: int, k: int) -> tuple[int, int, int, list[int], list[int]]:

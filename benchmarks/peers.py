@@ -101,8 +101,8 @@ def llama_bench_tok_s(bin_dir: Path, gguf: Path, threads: int, tokens: int, repa
 TIDAL_OFFLINE = """
 import json, sys, time
 from tidal import LLM, SamplingParams
-from tidal.bench.datasets import chat_prompts
 from tidal.config import SpecConfig
+from tidal.datasets import chat_prompts
 mode, tokens, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 spec = SpecConfig("eagle3", 4, mode="adaptive") if mode.startswith("adaptive") else SpecConfig()
 llm = LLM(spec=spec, enforce_eager=mode.endswith("eager"))

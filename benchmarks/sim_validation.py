@@ -34,8 +34,8 @@ import statistics
 from datetime import datetime
 
 from tidal.adaptive.cost import PROFILE_BATCH_SIZES
-from tidal.bench.datasets import chat_prompts
 from tidal.config import SchedulerConfig
+from tidal.datasets import chat_prompts
 from tidal.models.loader import load_tokenizer
 from tidal.sim.measured import MeasuredModel
 from tidal.sim.simulator import AcceptanceModel, parse_modes

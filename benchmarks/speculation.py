@@ -17,8 +17,8 @@ import time
 import torch
 
 from tidal import LLM, SamplingParams
-from tidal.bench.datasets import chat_prompts, rewrite_prompts
 from tidal.config import CacheConfig, SpecConfig
+from tidal.datasets import chat_prompts, rewrite_prompts
 
 
 def run_one(llm: LLM, prompt: list[int], n_out: int, rid: str) -> tuple[float, int, int, int, int]:

@@ -20,7 +20,7 @@ import time
 import torch
 
 from tidal import LLM, SamplingParams
-from tidal.bench.datasets import chat_prompts
+from tidal.datasets import chat_prompts
 from tidal.models.loader import default_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
-from tidal.bench import report
-from tidal.bench.datasets import random_prompts, sharegpt_prompts
 from tidal.bench.launch import serve_args
-from tidal.bench.records import BenchRecord, latency_summary, round_ratios_to_first
 from tidal.bench.scrape import parse_spec_counters
 from tidal.bench.sweep import SweepConfig, Target, sweep
+from tidal.datasets import random_prompts, sharegpt_prompts
 from tidal.server.metrics import ServerMetrics
+from tidal.sweeps import report
+from tidal.sweeps.records import BenchRecord, latency_summary, round_ratios_to_first
 
 TTFT, ITL = 1.0, 0.05  # the fake's schedule, seconds: long beside a loaded machine's ~10 ms HTTP overhead
 FAKE = Path(__file__).with_name("bench_fake_server.py")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tidal.bench import report
 from tidal.cli import main
 from tidal.engine.step_log import read_step_log
+from tidal.sweeps import report
 
 
 def test_launch_measures_then_stops_the_servers(tiny_model_dir, tmp_path, capsys):

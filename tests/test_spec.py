@@ -137,7 +137,7 @@ def test_sampled_speculation_is_reproducible_with_a_seed(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def spec_prompts(llm):
-    from tidal.bench.datasets import chat_prompts, rewrite_prompts
+    from tidal.datasets import chat_prompts, rewrite_prompts
 
     texts = chat_prompts()[:10] + rewrite_prompts()[:10]
     return [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]))

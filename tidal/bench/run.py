@@ -15,9 +15,9 @@ from importlib import metadata
 from pathlib import Path
 
 from tidal import __version__
-from tidal.bench import report
-from tidal.bench.records import BenchRecord
 from tidal.bench.sweep import SweepConfig, Target, sweep
+from tidal.sweeps import report
+from tidal.sweeps.records import BenchRecord
 
 EXIT_INTERRUPTED = 130
 
@@ -48,7 +48,7 @@ def parse_levels(text: str) -> list[int]:
 def load_prompts(args, cfg: SweepConfig) -> list[str]:
     """The prompt texts of the chosen dataset; random ones are token-exact for the tokenizer,
     one per request of the largest level."""
-    from tidal.bench import datasets
+    from tidal import datasets
     from tidal.models.loader import load_tokenizer
 
     if args.dataset == "chat":

@@ -20,8 +20,8 @@ import httpx
 import numpy as np
 
 from tidal.bench.client import RequestResult, build_payload, stream_request
-from tidal.bench.records import BenchRecord, latency_summary
 from tidal.bench.scrape import SpecCounters, scrape_spec_counters
+from tidal.sweeps.records import BenchRecord, latency_summary
 
 
 @dataclass

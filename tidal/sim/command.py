@@ -124,7 +124,7 @@ def _progress(record) -> None:
 
 def run_sim(args) -> int:
     """`tidal sim`: print the sweep table (the bench's) and the crossovers; optionally JSON and a plot."""
-    from tidal.bench.report import crossovers, format_table, plot, write_json
+    from tidal.sweeps.report import crossovers, format_table, plot, write_json
     from tidal.sim.simulator import parse_modes
     from tidal.sim.sweep import sweep
 
@@ -152,7 +152,7 @@ def run_tune(args) -> int:
     from tidal.sim.tune import tune
 
     if args.from_json:
-        from tidal.bench.report import read_json
+        from tidal.sweeps.report import read_json
 
         _, records = read_json(args.from_json)
     else:

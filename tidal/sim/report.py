@@ -1,4 +1,4 @@
-"""A simulated run as a `tidal bench` record (tidal.bench.records.BenchRecord), so the bench's
+"""A simulated run as a `tidal bench` record (tidal.sweeps.records.BenchRecord), so the bench's
 table, JSON, CSV and plot take simulated sweeps as they are.
 
 Latencies follow the bench's definitions: TTFT = arrival to first output chunk; TPOT per request
@@ -8,8 +8,8 @@ accepts drafts emits several tokens in one chunk); e2e = arrival to last chunk.
 
 from __future__ import annotations
 
-from tidal.bench.records import BenchRecord, latency_summary
 from tidal.sim.simulator import SimRun
+from tidal.sweeps.records import BenchRecord, latency_summary
 
 
 def make_record(target: str, concurrency: int, run: SimRun) -> BenchRecord:

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from tidal.adaptive.cost import (DEFAULT_KNOTS, PROFILE_BATCH_SIZES, PROFILE_DRAFT_LENGTHS, PROFILE_MAX_TOKENS,
                                  PROFILE_PROMPT_LEN)
-from tidal.bench.records import BenchRecord
 from tidal.config import SchedulerConfig
 from tidal.sim.report import make_record
 from tidal.sim.simulator import AcceptanceModel, Simulator, SpecMode, StepTimeModel, Workload
+from tidal.sweeps.records import BenchRecord
 
 
 @dataclass(frozen=True)

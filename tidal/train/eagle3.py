@@ -251,7 +251,7 @@ def train_drafter(output: str, *, model: str | None = None, prompts: list[str] |
     import hashlib
     import os
 
-    from tidal.bench.datasets import train_prompts
+    from tidal.datasets import train_prompts
     from tidal.engine.llm_engine import LLM
     from tidal.models.eagle3 import save_eagle3
 

@@ -11,7 +11,7 @@ import re
 import statistics
 from pathlib import Path
 
-from tidal.bench.records import BenchRecord, levels, ratio_to_first, round_ratios_to_first, target_order
+from tidal.sweeps.records import BenchRecord, levels, ratio_to_first, round_ratios_to_first, target_order
 
 LATENCY_FIELDS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
