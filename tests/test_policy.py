@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tidal.adaptive.cost import DraftCostModel, StepCostModel
-from tidal.adaptive.policy import RequestView, SpecPolicy, parse_schedule, scheduled_k
+from tidal.adaptive.policy import RequestView, SpecPolicy, StepPrice, parse_schedule, scheduled_k
 
 
 def memory_bound(tokens, seqs, context):  # weights dominate: extra tokens are nearly free
@@ -33,8 +33,8 @@ def views(alphas_by_request, k=6, prev=None):
 
 def test_memory_bound_costs_give_drafts_and_compute_bound_costs_give_none():
     policy = SpecPolicy("adaptive", 6)
-    assert all(k > 0 for k in policy.choose(views([0.7] * 4), 4, 4, 400, memory_bound, no_draft_cost))
-    assert policy.choose(views([0.7] * 64), 64, 64, 6400, compute_bound, no_draft_cost) == [0] * 64
+    assert all(k > 0 for k in policy.choose(views([0.7] * 4), StepPrice(4, 4, 400, memory_bound, no_draft_cost)))
+    assert policy.choose(views([0.7] * 64), StepPrice(64, 64, 6400, compute_bound, no_draft_cost)) == [0] * 64
 
 
 def test_low_acceptance_gets_fewer_drafts_than_high_in_the_same_batch():
@@ -43,7 +43,7 @@ def test_low_acceptance_gets_fewer_drafts_than_high_in_the_same_batch():
     def moderate(tokens, seqs, context):  # each token costs 4% of a one-token step
         return 0.010 + 0.0004 * tokens
 
-    ks = policy.choose(views([0.1, 0.8] * 4), 8, 8, 800, moderate, no_draft_cost)
+    ks = policy.choose(views([0.1, 0.8] * 4), StepPrice(8, 8, 800, moderate, no_draft_cost))
     low, high = ks[0::2], ks[1::2]
     assert max(low) < min(high) and min(high) > 0
 
@@ -56,7 +56,7 @@ def test_an_unmeasured_request_gets_the_benefit_of_the_doubt():
 
     def choose(view, optimism=0.2):
         return SpecPolicy("adaptive", 1, initial_acceptance=0.3, optimism=optimism).choose(
-            [view], 1, 1, 100, cost, no_draft_cost)
+            [view], StepPrice(1, 1, 100, cost, no_draft_cost))
     assert choose(RequestView(1, [], [])) == [1]
     assert choose(RequestView(1, [], []), optimism=0.0) == [0]
     assert choose(RequestView(1, [10.0], [2.0])) == [0]
@@ -65,21 +65,22 @@ def test_an_unmeasured_request_gets_the_benefit_of_the_doubt():
 
 def test_draft_cost_and_catch_up_are_charged():
     policy = SpecPolicy("adaptive", 4)
-    cheap = policy.choose(views([0.6]), 1, 1, 100, memory_bound, no_draft_cost)
-    dear = policy.choose(views([0.6]), 1, 1, 100, memory_bound, lambda f, t, c: 0.05 * f)
+    cheap = policy.choose(views([0.6]), StepPrice(1, 1, 100, memory_bound, no_draft_cost))
+    dear = policy.choose(views([0.6]), StepPrice(1, 1, 100, memory_bound, lambda f, t, c: 0.05 * f))
     assert cheap[0] > 0 and dear == [0]
     r = views([0.6])
     r[0].catch_up = 10_000
-    assert policy.choose(r, 1, 1, 100, memory_bound, lambda f, t, c: 0.0001 * c) == [0]
+    assert policy.choose(r, StepPrice(1, 1, 100, memory_bound, lambda f, t, c: 0.0001 * c)) == [0]
 
 
 def test_goodput_choice_is_the_best_allocation_by_brute_force():
     policy = SpecPolicy("adaptive", 3)
     reqs = views([0.9, 0.5, 0.2], k=3)
     cost = lambda t, s, c: 0.01 + 0.001 * t + 0.004 * (t > 5)  # noqa: E731  a kernel switch at 5
-    ks = policy.choose(reqs, 3, 3, 300, cost, no_draft_cost)
+    ks = policy.choose(reqs, StepPrice(3, 3, 300, cost, no_draft_cost))
     worths = [[0.9, 0.81, 0.729], [0.5, 0.25, 0.125], [0.2, 0.04, 0.008]]
-    g = lambda k: policy.goodput(reqs, worths, [0.0] * 3, 3, 3, 300, 0.0, cost, no_draft_cost, list(k))  # noqa: E731
+    price = StepPrice(3, 3, 300, cost, no_draft_cost)
+    g = lambda k: policy.goodput(reqs, worths, [0.0] * 3, price, list(k))  # noqa: E731
     best = max(((a, b, c) for a in range(4) for b in range(4) for c in range(4)), key=g)
     assert g(ks) == pytest.approx(g(best), rel=0.02)
 
@@ -92,26 +93,26 @@ def test_a_backlog_is_spread_over_the_steps_the_request_has_left():
     catch_up_cost = lambda f, t, c: 0.0001 * c  # noqa: E731  2000 positions: 0.2 s, ten steps' worth
     fresh = views([0.8])
     fresh[0].catch_up, fresh[0].remaining = 2000, 1000
-    assert policy.choose(fresh, 1, 1, 2000, memory_bound, catch_up_cost)[0] > 0
+    assert policy.choose(fresh, StepPrice(1, 1, 2000, memory_bound, catch_up_cost))[0] > 0
     fresh[0].remaining = 3  # nearly done: the backlog is not worth it
-    assert policy.choose(fresh, 1, 1, 2000, memory_bound, catch_up_cost) == [0]
+    assert policy.choose(fresh, StepPrice(1, 1, 2000, memory_bound, catch_up_cost)) == [0]
     steady = views([0.8], prev=[2])
     steady[0].catch_up, steady[0].remaining = 2000, 1000
-    assert policy.choose(steady, 1, 1, 2000, memory_bound, catch_up_cost) == [0]
+    assert policy.choose(steady, StepPrice(1, 1, 2000, memory_bound, catch_up_cost)) == [0]
 
 
 def test_a_prefill_in_the_step_does_not_make_drafts_look_free():
     """Every token costs 2 ms, so a draft (worth < 1 token) never pays, with or without 1000
     prefill tokens in the same step: the prefill's time is not counted against the drafts."""
     policy = SpecPolicy("adaptive", 4)
-    assert policy.choose(views([0.7] * 4), 4, 4, 400, compute_bound, no_draft_cost) == [0] * 4
-    assert policy.choose(views([0.7] * 4), 1004, 5, 400, compute_bound, no_draft_cost) == [0] * 4
+    assert policy.choose(views([0.7] * 4), StepPrice(4, 4, 400, compute_bound, no_draft_cost)) == [0] * 4
+    assert policy.choose(views([0.7] * 4), StepPrice(1004, 5, 400, compute_bound, no_draft_cost)) == [0] * 4
 
 
 def test_drafts_stay_within_the_budget_left_by_prefill():
     policy = SpecPolicy("adaptive", 4)
-    assert sum(policy.choose(views([0.9] * 4), 4, 4, 400, memory_bound, no_draft_cost, draft_budget=3)) == 3
-    assert policy.choose(views([0.9] * 4), 4, 4, 400, memory_bound, no_draft_cost, draft_budget=0) == [0] * 4
+    assert sum(policy.choose(views([0.9] * 4), StepPrice(4, 4, 400, memory_bound, no_draft_cost), draft_budget=3)) == 3
+    assert policy.choose(views([0.9] * 4), StepPrice(4, 4, 400, memory_bound, no_draft_cost), draft_budget=0) == [0] * 4
 
 
 def test_a_request_is_probed_after_a_long_pause_everywhere():
@@ -123,7 +124,7 @@ def test_a_request_is_probed_after_a_long_pause_everywhere():
         reqs = views([alpha] * 3)
         for r, c in zip(reqs, (50, 5, 500)):
             r.catch_up = c
-        choices = [policy.choose(reqs, 3, 3, 300, cost, no_draft_cost) for _ in range(60)]
+        choices = [policy.choose(reqs, StepPrice(3, 3, 300, cost, no_draft_cost)) for _ in range(60)]
         assert all(ks in ([0, 0, 0], [0, 1, 0]) for ks in choices)
         return [i for i, ks in enumerate(choices) if any(ks)]
     # nearly free to verify, but too rarely accepted to pay: a probe every 10 steps
@@ -142,7 +143,8 @@ def test_a_position_no_request_drafts_is_probed_too():
 
     def run(reqs_per_step, cost=verify):
         policy = SpecPolicy("adaptive", 4, probe_every=10, probe_share=0.05)
-        return [policy.choose(reqs, len(reqs), len(reqs), 100, cost, no_draft_cost) for reqs in reqs_per_step]
+        return [policy.choose(reqs, StepPrice(len(reqs), len(reqs), 100, cost, no_draft_cost))
+                for reqs in reqs_per_step]
 
     # 0.6 at position 1; position 2 accepted 0.1 of 2 times, 0.3 once smoothed: one draft pays, two do not
     one = RequestView(4, [50.0, 2.0, 0.0, 0.0], [30.0, 0.2, 0.0, 0.0])
@@ -187,7 +189,7 @@ def test_a_drafting_policy_measures_a_plain_step_now_and_then():
     """Drafts paying every step, one step in `plain_every` + 1 has none: the plain step's cost is
     measured live, not read off the start-up profile forever."""
     policy = SpecPolicy("adaptive", 4, probe_every=3, plain_every=10)
-    choices = [policy.choose(views([0.7] * 4), 4, 4, 400, memory_bound, no_draft_cost) for _ in range(30)]
+    choices = [policy.choose(views([0.7] * 4), StepPrice(4, 4, 400, memory_bound, no_draft_cost)) for _ in range(30)]
     assert [i for i, ks in enumerate(choices) if not any(ks)] == [10, 21]
 
 
@@ -206,8 +208,8 @@ def run_noisy(margin: float, fitted: bool) -> tuple[int, list[int]]:
         noise = {}
         noisy = np.vectorize(lambda t: noise[t] if t in noise else noise.setdefault(t, rng.uniform(0.98, 1.02)))
         raw = lambda t, s, c: true(t, s, c) * noisy(t)  # noqa: E731
-        ks = policy.choose(views([0.6] * 4, k=4, prev=prev if margin else None), 4, 4, 400,
-                           model.predict if fitted else raw, no_draft_cost)
+        price = StepPrice(4, 4, 400, model.predict if fitted else raw, no_draft_cost)
+        ks = policy.choose(views([0.6] * 4, k=4, prev=prev if margin else None), price)
         changes += prev is not None and ks != prev
         prev = ks
         drafts.append(sum(ks))
@@ -224,10 +226,11 @@ def test_noisy_step_times_do_not_make_k_flap():
 
 
 def test_fixed_and_schedule_modes():
-    assert SpecPolicy("fixed", 4).choose(views([0.1, 0.9]), 2, 2, 0, compute_bound, no_draft_cost) == [4, 4]
+    assert SpecPolicy("fixed", 4).choose(views([0.1, 0.9]), StepPrice(2, 2, 0, compute_bound, no_draft_cost)) == [4, 4]
     reqs = views([0.5] * 6)
     reqs[0].max_k = 1
-    assert SpecPolicy("schedule", 6, "1-4:4,5-16:2,17-:0").choose(reqs, 6, 6, 0, memory_bound, no_draft_cost) == [1] + [2] * 5
+    schedule = SpecPolicy("schedule", 6, "1-4:4,5-16:2,17-:0")
+    assert schedule.choose(reqs, StepPrice(6, 6, 0, memory_bound, no_draft_cost)) == [1] + [2] * 5
     sched = parse_schedule("1-4:4, 5-16:2, 17-:0")
     assert [scheduled_k(sched, n) for n in (1, 4, 5, 16, 17, 500)] == [4, 4, 2, 2, 0, 0]
     for bad in ("4-1:2", "1-4:2,3-8:1", "a:1", "1-4", "17-:0,20-:1", "0-3:1", "1-2:-1"):
@@ -316,8 +319,9 @@ def test_drafting_must_promise_the_minimum_gain():
     """One draft per request at acceptance 0.6 promises +11% over plain decoding here: taken
     with a 10% bar, not with a 20% one."""
     cost = lambda t, s, c: 0.010 + 0.002 * t  # noqa: E731
-    assert sum(SpecPolicy("adaptive", 1, min_gain=0.1).choose(views([0.6] * 4), 4, 4, 400, cost, no_draft_cost)) == 4
-    assert SpecPolicy("adaptive", 1, min_gain=0.2).choose(views([0.6] * 4), 4, 4, 400, cost, no_draft_cost) == [0] * 4
+    price = StepPrice(4, 4, 400, cost, no_draft_cost)
+    assert sum(SpecPolicy("adaptive", 1, min_gain=0.1).choose(views([0.6] * 4), price)) == 4
+    assert SpecPolicy("adaptive", 1, min_gain=0.2).choose(views([0.6] * 4), price) == [0] * 4
 
 
 def test_live_steps_set_the_level_of_the_start_up_profile():
@@ -361,8 +365,9 @@ def test_the_optimistic_prior_shrinks_with_the_batch():
     it, eight new requests in a batch do not."""
     cost = lambda t, s, c: 0.010 * s + 0.003 * (t - s)  # noqa: E731  a token per request 0.01 s, a draft 0.003 s
     policy = SpecPolicy("adaptive", 1, initial_acceptance=0.3)
-    assert policy.choose([RequestView(1, [], [])], 1, 1, 100, cost, no_draft_cost) == [1]
-    assert policy.choose([RequestView(1, [], []) for _ in range(8)], 8, 8, 800, cost, no_draft_cost) == [0] * 8
+    assert policy.choose([RequestView(1, [], [])], StepPrice(1, 1, 100, cost, no_draft_cost)) == [1]
+    eight = [RequestView(1, [], []) for _ in range(8)]
+    assert policy.choose(eight, StepPrice(8, 8, 800, cost, no_draft_cost)) == [0] * 8
 
 
 def test_sequences_verifying_drafts_are_priced_beyond_their_tokens():

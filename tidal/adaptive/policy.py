@@ -16,7 +16,7 @@ estimates' noise from deciding near break-even.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 MODES = ("fixed", "adaptive", "schedule")
@@ -88,6 +88,37 @@ VerifyCost = Callable[[int, int, int], float]  # (tokens, seqs, context) -> seco
 DraftCost = Callable[[int, int, float], float]  # (forwards, draft tokens, catch-up positions) -> seconds
 
 
+@dataclass(frozen=True)
+class StepPrice:
+    """The step that drafts would join, and what its cost models say it costs: it feeds
+    `base_tokens` non-draft tokens over `seqs` sequences holding `context` KV tokens; `prefill`
+    is what its prefill tokens add (not charged to drafts; see SpecPolicy.choose)."""
+
+    base_tokens: int
+    seqs: int
+    context: int
+    verify: VerifyCost
+    draft: DraftCost
+    prefill: float = 0.0
+
+    def with_prefill(self, num_decoding: int) -> "StepPrice":
+        """This price with `prefill` set: the step's time beyond its `num_decoding` plain tokens."""
+        if self.base_tokens <= num_decoding:
+            return replace(self, prefill=0.0)
+        with_prefill = self.verify(self.base_tokens, self.seqs, self.context)
+        return replace(self, prefill=max(0.0, with_prefill - self.verify(num_decoding, self.seqs, self.context)))
+
+    def verify_seconds(self, total: int) -> float:
+        """The target's step with `total` drafts to verify, less its prefill."""
+        return self.verify(self.base_tokens + total, self.seqs, self.context + total) - self.prefill
+
+    def seconds(self, total: int, longest: int, catch_up: float) -> float:
+        """The step with `total` drafts (the longest chain `longest`), their proposal included."""
+        if not total:  # K = 0: no drafter call
+            return self.verify_seconds(0)
+        return self.verify_seconds(total) + self.draft(longest, total, catch_up)
+
+
 class SpecPolicy:
     """Chooses draft lengths per request each step: fixed K, a batch-size schedule, or adaptive."""
 
@@ -129,10 +160,8 @@ class SpecPolicy:
         before looking at them (0: the drafter need not be asked anything)."""
         return scheduled_k(self.schedule, num_requests) if self.mode == "schedule" else self.max_k
 
-    def choose(self, requests: list[RequestView], base_tokens: int, seqs: int, context: int,
-               verify_cost: VerifyCost, draft_cost: DraftCost, draft_budget: int | None = None) -> list[int]:
-        """Draft lengths for `requests` (the decoding ones) in a step that also feeds
-        `base_tokens` non-draft tokens over `seqs` sequences holding `context` KV tokens, with
+    def choose(self, requests: list[RequestView], price: StepPrice, draft_budget: int | None = None) -> list[int]:
+        """Draft lengths for `requests` (the decoding ones) in the step `price` describes, with
         room for at most `draft_budget` drafts in all (adaptive mode only; None: no limit)."""
         if self.mode == "fixed":
             return [min(self.max_k, r.max_k) for r in requests]
@@ -144,16 +173,14 @@ class SpecPolicy:
                                min(self.max_k, r.max_k)) for r in requests]
         charges = [self.catch_up_charge(r, w) for r, w in zip(requests, worths)]
         budget = sum(len(w) for w in worths) if draft_budget is None else max(0, draft_budget)
-        prefill = self.prefill_seconds(len(requests), base_tokens, seqs, context, verify_cost)
-        costs = (base_tokens, seqs, context, prefill, verify_cost, draft_cost)
-        args = (requests, worths, charges, *costs)
-        ks = self.plan(*args, budget)
+        price = price.with_prefill(len(requests))
+        ks = self.plan(requests, worths, charges, price, budget)
         if any(r.prev_k is not None for r in requests):
             stay = [min(r.max_k, self.max_k, ks[i] if r.prev_k is None else r.prev_k) for i, r in enumerate(requests)]
-            if (stay != ks and sum(stay) <= budget
-                    and self.goodput(*args, ks) <= (1 + self.margin) * self.goodput(*args, stay)):
+            if (stay != ks and sum(stay) <= budget and self.goodput(requests, worths, charges, price, ks)
+                    <= (1 + self.margin) * self.goodput(requests, worths, charges, price, stay)):
                 ks = stay
-        return self._probe(ks, requests, worths, budget, costs)
+        return self._probe(ks, requests, worths, budget, price)
 
     @staticmethod
     def catch_up_charge(r: RequestView, worths: list[float]) -> float:
@@ -164,12 +191,11 @@ class SpecPolicy:
         return r.catch_up / max(1.0, steps_left)
 
     def _probe(self, ks: list[int], requests: list[RequestView], worths: list[list[float]], budget: int,
-               costs) -> list[int]:
+               price: StepPrice) -> list[int]:
         """One more draft for one request at the first position no request drafts this step, once
         `probe_every` steps have stopped short of it since a chain last reached it and the draft
         costs at most `probe_share` of their time; and a step without drafts after `plain_every`
-        with them (see the module docstring). `costs`: base_tokens, seqs, context, prefill,
-        verify_cost, draft_cost."""
+        with them (see the module docstring)."""
         depth, total = max(ks, default=0), sum(ks)
         for l in range(depth):  # positions drafted this step: measured, their counts start again
             self._short[l], self._short_seconds[l] = 0, 0.0
@@ -182,10 +208,9 @@ class SpecPolicy:
             self._busy = 0
         if depth >= self.max_k:
             return ks
-        base_tokens, seqs, context, prefill, verify_cost, draft_cost = costs
-        now = verify_cost(base_tokens + total, seqs, context + total)
+        now = price.verify_seconds(total)
         self._short[depth] += 1
-        self._short_seconds[depth] += now - prefill
+        self._short_seconds[depth] += now
         able = [i for i, r in enumerate(requests) if ks[i] == depth and min(r.max_k, self.max_k) > depth]
         if self._short[depth] >= self.probe_every and able and total < budget:
             if depth == 0:  # the cheapest backlog to catch up on
@@ -193,40 +218,26 @@ class SpecPolicy:
             else:  # the likeliest to reach the position (its drafts so far all accepted); backlog paid
                 i = max(able, key=lambda i: worths[i][depth - 1])
             catch_up = requests[i].catch_up if depth == 0 else 0
-            drafting = draft_cost(depth, total, catch_up) if depth else 0.0  # K = 0: no drafter call
-            extra = (verify_cost(base_tokens + total + 1, seqs, context + total + 1) - now
-                     + draft_cost(depth + 1, total + 1, catch_up) - drafting)
+            drafting = price.draft(depth, total, catch_up) if depth else 0.0  # K = 0: no drafter call
+            extra = price.verify_seconds(total + 1) - now + price.draft(depth + 1, total + 1, catch_up) - drafting
             if extra <= self.probe_share * self._short_seconds[depth]:
                 ks = list(ks)
                 ks[i] += 1
                 self._short[depth], self._short_seconds[depth] = 0, 0.0
         return ks
 
-    @staticmethod
-    def prefill_seconds(num_decoding, base_tokens, seqs, context, verify_cost) -> float:
-        """What the step's prefill tokens add to its time (not counted against drafts)."""
-        if base_tokens <= num_decoding:
-            return 0.0
-        return max(0.0, verify_cost(base_tokens, seqs, context) - verify_cost(num_decoding, seqs, context))
-
-    def _rate(self, emitted, total, longest, catch_up, base_tokens, seqs, context, prefill, verify_cost, draft_cost):
+    def _rate(self, emitted: float, total: int, longest: int, catch_up: float, price: StepPrice) -> float:
         """Emitted tokens per second of decoding with `total` drafts (the longest chain `longest`),
         discounted by 1 + min_gain when there are any: the policy's objective."""
-        seconds = verify_cost(base_tokens + total, seqs, context + total) - prefill
-        if total:  # K = 0: no drafter call
-            seconds += draft_cost(longest, total, catch_up)
-        return emitted / max(seconds, 1e-9) / (1 + self.min_gain if total else 1.0)
+        return emitted / max(price.seconds(total, longest, catch_up), 1e-9) / (1 + self.min_gain if total else 1.0)
 
-    def goodput(self, requests, worths, charges, base_tokens, seqs, context, prefill, verify_cost, draft_cost,
-                ks) -> float:
+    def goodput(self, requests, worths, charges, price: StepPrice, ks) -> float:
         """The objective for draft lengths `ks`: expected emitted tokens per second of decoding."""
         emitted = len(requests) + sum(sum(w[:k]) for w, k in zip(worths, ks))
         catch_up = sum(c for c, k in zip(charges, ks) if k)
-        return float(self._rate(emitted, sum(ks), max(ks, default=0), catch_up, base_tokens, seqs, context, prefill,
-                                verify_cost, draft_cost))
+        return float(self._rate(emitted, sum(ks), max(ks, default=0), catch_up, price))
 
-    def plan(self, requests, worths, charges, base_tokens, seqs, context, prefill, verify_cost, draft_cost,
-             budget) -> list[int]:
+    def plan(self, requests, worths, charges, price: StepPrice, budget: int) -> list[int]:
         """The goodput-best allocation among prefixes (of at most `budget` drafts) of all drafts
         sorted by worth, each prefix priced in turn in plain Python. Not numpy: run between two
         model forwards, which evict the caches, numpy's per-call overhead costs more than these
@@ -236,13 +247,12 @@ class SpecPolicy:
         flat = sorted(((w, i, j) for i, ws in enumerate(worths) for j, w in enumerate(ws, 1)),
                       key=lambda d: -d[0])[:max(0, budget)]
         emitted, longest, catch_up = float(len(requests)), 0, 0.0
-        costs = (base_tokens, seqs, context, prefill, verify_cost, draft_cost)
-        best, best_n = self._rate(emitted, 0, 0, catch_up, *costs), 0
+        best, best_n = self._rate(emitted, 0, 0, catch_up, price), 0
         for n, (w, i, j) in enumerate(flat, 1):
             emitted += w
             longest = max(longest, j)
             catch_up += charges[i] if j == 1 else 0.0
-            rate = self._rate(emitted, n, longest, catch_up, *costs)
+            rate = self._rate(emitted, n, longest, catch_up, price)
             if rate > best:  # the first best: the fewest drafts
                 best, best_n = rate, n
         for _, i, _ in flat[:best_n]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from tidal.adaptive.cost import DraftCostModel, StepCostModel, profile_grid
-from tidal.adaptive.policy import SpecPolicy
+from tidal.adaptive.policy import SpecPolicy, StepPrice
 from tidal.adaptive.stats import SpecStats
 from tidal.engine.scheduler import ScheduledSeq, Scheduler
 from tidal.sequence import Sequence
@@ -147,8 +147,9 @@ class EngineCore:
         most = self.policy.most(len(seqs))  # 0 (a schedule's): no lookup, K = 0 costs the drafter nothing
         caps = self.drafter.available(seqs, most) if most else [0] * len(seqs)
         views = [s.spec_view(cap, self.drafter.catch_up(s)) for s, cap in zip(seqs, caps)]
-        return self.policy.choose(views, load.tokens, load.seqs, load.context, self.step_cost.pricing(load.tokens),
-                                  self.draft_cost.predict, load.draft_budget)
+        price = StepPrice(load.tokens, load.seqs, load.context, self.step_cost.pricing(load.tokens),
+                          self.draft_cost.predict)
+        return self.policy.choose(views, price, load.draft_budget)
 
     # ------------------------------------------------------------ start-up profile
 
