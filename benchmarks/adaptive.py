@@ -2,7 +2,7 @@
 
     python benchmarks/adaptive.py [--concurrency 1,2,4,8,16,32,64,128] [--output-len 128]
                                   [--modes off,fixed:2,fixed:4,adaptive:4] [--method eagle3]
-                                  [--workload chat|rewrite]
+                                  [--workload chat|rewrite|mixed]
 
 At each concurrency C, every mode serves the same requests (shipped chat prompts, or the
 repetition-heavy rewrite prompts where an n-gram drafter has something to copy; greedy,
@@ -27,7 +27,7 @@ import torch
 
 from tidal import LLM, SamplingParams
 from tidal.config import SpecConfig
-from tidal.datasets import chat_prompts, rewrite_prompts
+from tidal.datasets import chat_prompts, mixed_prompts, rewrite_prompts
 
 
 def spec_for(mode: str, method: str) -> SpecConfig:
@@ -130,7 +130,8 @@ def main():
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--modes", default="off,fixed:2,fixed:4,adaptive:4")
     ap.add_argument("--method", default="eagle3", choices=["eagle3", "ngram"])
-    ap.add_argument("--workload", default="chat", choices=["chat", "rewrite"])
+    ap.add_argument("--workload", default="chat", choices=["chat", "rewrite", "mixed"],
+                    help="mixed: chat and rewrite prompts taking turns")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json", default=None, help="also write the records here")
     args = ap.parse_args()
@@ -138,7 +139,7 @@ def main():
     levels = [int(c) for c in args.concurrency.split(",")]
     engines = {m: LLM(dtype=args.dtype, spec=spec_for(m, args.method)) for m in modes}
     tok = next(iter(engines.values())).tokenizer
-    texts = chat_prompts() if args.workload == "chat" else rewrite_prompts()
+    texts = {"chat": chat_prompts, "rewrite": rewrite_prompts, "mixed": mixed_prompts}[args.workload]()
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in texts]
     interleaved([ClosedLoop(llm, prompts, 2, 2, 8) for llm in engines.values()])  # warm up
     results = {}

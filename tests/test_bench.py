@@ -23,7 +23,7 @@ from prometheus_client import generate_latest
 from tidal.bench.launch import serve_args
 from tidal.bench.scrape import parse_spec_counters
 from tidal.bench.sweep import SweepConfig, Target, sweep
-from tidal.datasets import random_prompts, sharegpt_prompts
+from tidal.datasets import chat_prompts, mixed_prompts, random_prompts, rewrite_prompts, sharegpt_prompts
 from tidal.server.metrics import ServerMetrics
 from tidal.sweeps import report
 from tidal.sweeps.records import BenchRecord, latency_summary, round_ratios_to_first
@@ -338,6 +338,13 @@ def test_sharegpt_and_random_datasets(tmp_path):
     prompts = random_prompts(tok, vocab, 6, 100, seed=1)
     assert len(set(prompts)) == 6 and [len(tok.encode(p)) for p in prompts] == [100] * 6
     assert prompts == random_prompts(tok, vocab, 6, 100, seed=1)
+
+
+def test_mixed_prompts_alternate_chat_and_rewrite():
+    chat, rewrite, mixed = chat_prompts(), rewrite_prompts(), mixed_prompts()
+    assert mixed[0::2] == [chat[i % len(chat)] for i in range(len(mixed) // 2)]
+    assert mixed[1::2] == [rewrite[i % len(rewrite)] for i in range(len(mixed) // 2)]
+    assert len(mixed) == 2 * max(len(chat), len(rewrite))
 
 
 def test_launch_modes():

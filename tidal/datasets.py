@@ -17,6 +17,14 @@ def rewrite_prompts() -> list[str]:
     return json.loads((resources.files("tidal.data") / "rewrite_prompts.json").read_text())
 
 
+def mixed_prompts() -> list[str]:
+    """Chat and rewrite prompts taking turns, so that drafts' acceptance differs several-fold
+    between the requests of one batch (the n-gram drafter copies rewrites, rarely chat)."""
+    chat, rewrite = chat_prompts(), rewrite_prompts()
+    n = max(len(chat), len(rewrite))
+    return [p for i in range(n) for p in (chat[i % len(chat)], rewrite[i % len(rewrite)])]
+
+
 def train_prompts() -> list[str]:
     """Prompts for drafter self-distillation (tidal/data/train_prompts.json); none of them is in
     the benchmark sets above, so those stay held out."""

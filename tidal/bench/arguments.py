@@ -20,8 +20,9 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--output-len", type=int, default=128, help="tokens asked of every request (ignore_eos)")
     b.add_argument("--request-rate", type=float, default=None,
                    help="open loop: Poisson arrivals at this many requests/s, at most C in flight")
-    b.add_argument("--dataset", default="chat", choices=["chat", "random", "sharegpt"],
-                   help="chat: the shipped chat prompts; random: --input-len random tokens; sharegpt: --dataset-path")
+    b.add_argument("--dataset", default="chat", choices=["chat", "rewrite", "mixed", "random", "sharegpt"],
+                   help="chat: the shipped chat prompts; rewrite: the shipped repetition-heavy ones; mixed: the "
+                        "two taking turns; random: --input-len random tokens; sharegpt: --dataset-path")
     b.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file (first human turn of each)")
     b.add_argument("--input-len", type=int, default=256, help="prompt tokens of the random dataset")
     b.add_argument("--tokenizer", default=None, help="model whose tokenizer sizes random prompts (default: bundled)")

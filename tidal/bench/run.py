@@ -51,8 +51,9 @@ def load_prompts(args, cfg: SweepConfig) -> list[str]:
     from tidal import datasets
     from tidal.models.loader import load_tokenizer
 
-    if args.dataset == "chat":
-        return datasets.chat_prompts()
+    shipped = {"chat": datasets.chat_prompts, "rewrite": datasets.rewrite_prompts, "mixed": datasets.mixed_prompts}
+    if args.dataset in shipped:
+        return shipped[args.dataset]()
     if args.dataset == "sharegpt":
         if not args.dataset_path:
             raise ValueError("--dataset sharegpt needs --dataset-path FILE.json")
