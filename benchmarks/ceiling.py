@@ -57,6 +57,10 @@ class OracleDrafts:
     def catch_up(self, seq: Sequence) -> int:
         return self.inner.catch_up(seq) if self.inner else 0
 
+    def forget(self, seq: Sequence) -> None:
+        if self.inner:
+            self.inner.forget(seq)
+
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]):
         drafts, probs = self.inner.propose(seqs, num_draft_tokens) if self.inner else ([[] for _ in seqs], None)
         if self.rate is None:

@@ -210,6 +210,8 @@ class LLMEngine(EngineCore):
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, and report every request that got a token."""
+        if self.runner.compiling:  # outside the timed step: loading packages is not a step's cost
+            self.runner.land_compiled()
         return [self._output(seq, drafted, accepted) for seq, drafted, accepted in super().step() or ()]
 
     def emit(self, seq: Sequence, tokens: list[int]) -> None:

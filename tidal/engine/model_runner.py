@@ -185,8 +185,6 @@ class ModelRunner:
                 rows.extend(range(end - s.num_draft_tokens, end + 1))
                 sampling.append(s)
         num_tokens = int(ends[-1]) + 1
-        if self.compiling:
-            self.land_compiled()
         compiled = self.compiled is not None and 0 < len(rows) and self.compiled.covers(num_tokens)
         input_ids, positions, meta = self.prepare(scheduled, compiled)
         if compiled:
@@ -247,7 +245,7 @@ class ModelRunner:
             else:
                 self._capture()
         except Exception as e:  # an optimisation that cannot be had must not stop the engine
-            self.compiled = None
+            self.compiled, self.compiling = None, {}
             log.warning("compiled steps unavailable, running eager: %s", e)
 
     def _capture(self) -> None:
@@ -306,9 +304,14 @@ class ModelRunner:
         failures = _wait_workers(self._workers)
         if failures:
             log.warning("compiling the step in the background failed, those steps stay eager: %s", failures[0])
-        landed = [g for g, p in self.compiling.items() if p.is_file()]
-        for g in landed:
-            self.compiled.add(g, self.compiling[g])
+        landed = []
+        for g, path in self.compiling.items():
+            try:
+                if self.compiled is not None and path.is_file():
+                    self.compiled.add(g, path)
+                    landed.append(g)
+            except Exception as e:  # a package that cannot load leaves its steps eager
+                log.warning("compiled step %s unavailable, its steps stay eager: %s", g, e)
         if landed:
             log.info("compiled steps landed: %s", ", ".join(landed))
         self.compiling, self._workers = {}, []
