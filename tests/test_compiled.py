@@ -87,8 +87,10 @@ def test_packages_of_set_ups_unused_for_a_week_are_pruned(tmp_path):
         for name in (f"step-{key}.lock", f"step-{key}-one.pt2", f"step-{key}-many.pt2"):
             (tmp_path / name).write_bytes(b"x")
         os.utime(tmp_path / f"step-{key}.lock", (now - age_days * 86400,) * 2)
+        (tmp_path / f".step-{key}-few.123.pt2").write_bytes(b"x")  # a killed worker's partial write
+        os.utime(tmp_path / f".step-{key}-few.123.pt2", (now - age_days * 86400,) * 2)
     assert model_runner.prune_packages(tmp_path, now - model_runner.PACKAGE_MAX_IDLE_S) == ["old"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-recent-many.pt2", "step-recent-one.pt2",
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step-recent-few.123.pt2", "step-recent-many.pt2", "step-recent-one.pt2",
                                                           "step-recent.lock"]
 
 

@@ -361,6 +361,9 @@ def prune_packages(directory: Path, unused_since: float) -> list[str]:
     """Delete the packages of every set-up whose lock was last touched before `unused_since`
     (seconds since the epoch); returns the deleted set-ups' keys."""
     pruned = []
+    for partial in directory.glob(".step-*.pt2"):  # a worker killed while writing leaves its temp file
+        if partial.stat().st_mtime < unused_since:
+            partial.unlink(missing_ok=True)
     for lock in directory.glob("step-*.lock"):
         if lock.stat().st_mtime < unused_since:
             key = lock.stem.removeprefix("step-")
