@@ -54,6 +54,9 @@ class OracleDrafts:
     def available(self, seqs: list[Sequence], max_k: int) -> list[int]:
         return self.inner.available(seqs, max_k) if self.inner else [max_k] * len(seqs)
 
+    def draft_class(self, seq: Sequence) -> int:
+        return self.inner.draft_class(seq) if self.inner else 0
+
     def catch_up(self, seq: Sequence) -> int:
         return self.inner.catch_up(seq) if self.inner else 0
 

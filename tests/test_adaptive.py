@@ -83,16 +83,18 @@ def test_a_paused_requests_acceptance_counts_age_every_step(tiny_model_dir):
         eng.add_request(f"b{i}", p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     faded = 0
     while not a.is_finished and faded < 10:
-        reached, accepted, drafted, emitted = (list(a.spec.recent_reached), list(a.spec.recent_accepted),
-                                               a.spec.num_drafted, len(a.output_token_ids))
+        recent = {c: (list(r), list(x)) for c, (r, x) in a.spec.recent.items()}
+        drafted, emitted = a.spec.num_drafted, len(a.output_token_ids)
         eng.step()
         if a.spec.num_drafted == drafted and len(a.output_token_ids) == emitted + 1:
-            assert a.spec.recent_reached == pytest.approx([0.9 * x for x in reached])
-            assert a.spec.recent_accepted == pytest.approx([0.9 * x for x in accepted])
+            assert a.spec.recent.keys() == recent.keys()
+            for c, (reached, accepted) in recent.items():
+                assert a.spec.counts(c)[0] == pytest.approx([0.9 * x for x in reached])
+                assert a.spec.counts(c)[1] == pytest.approx([0.9 * x for x in accepted])
             faded += 1
         else:
             assert a.spec.num_drafted > drafted  # it verified drafts: counted, not faded
-    assert faded == 10 and sum(a.spec.recent_reached) > 0
+    assert faded == 10 and sum(sum(r) for r, _ in a.spec.recent.values()) > 0
 
 
 def test_bad_speculation_config_is_rejected():

@@ -176,7 +176,7 @@ def test_a_paused_requests_estimate_returns_towards_the_prior():
     stats = SpecStats()
     for _ in range(10):
         stats.record(1, 0)
-    estimate = lambda: acceptance_curve(stats.recent_reached, stats.recent_accepted, [0.4], 2.0)[0]  # noqa: E731
+    estimate = lambda: acceptance_curve(*stats.counts(0), [0.4], 2.0)[0]  # noqa: E731
     readings = [estimate()]
     for _ in range(4):
         for _ in range(10):
@@ -387,3 +387,42 @@ def test_sequences_verifying_drafts_are_priced_beyond_their_tokens():
     assert true(48, 32, 2240, 0) < 0.91 * true(48, 32, 2240, 16)
     assert price(32, 32, 2240) == pytest.approx(true(32, 32, 2240, 0), rel=0.04)
     assert model.predict(33, 32, 2240, 1) > model.predict(33, 32, 2240, 0)
+
+
+def test_requests_accepting_0_9_and_0_2_in_one_step_get_different_k():
+    """A draft costs 20% of a one-token step: worth it at acceptance 0.9, not at 0.2; the
+    request that accepts gets drafts, the other none, in the same step."""
+    def step(tokens, seqs, context):
+        return 0.010 + 0.002 * (tokens - 2)
+    ks = SpecPolicy("adaptive", 4).choose(views([0.9, 0.2], k=4), StepPrice(2, 2, 200, step, no_draft_cost))
+    assert ks[0] > 0 and ks[1] == 0
+
+
+def test_the_drafters_grade_moves_k_before_the_request_has_counts():
+    """Drafts of grade 4 have been accepted, of grade 1 rejected, elsewhere in the engine: two
+    new requests (no counts of their own) whose next drafts are of those grades get different
+    K; ungraded drafts (grade 0) keep the engine-wide prior."""
+    def step(tokens, seqs, context):
+        return 0.010 + 0.002 * (tokens - 2)
+    policy = SpecPolicy("adaptive", 4, optimism=0.0)
+    for _ in range(30):
+        policy.record(4, 4, draft_class=4)
+        policy.record(4, 0, draft_class=1)
+    assert policy.class_prior(4)[0] > 0.9 > 0.1 > policy.class_prior(1)[0]
+    assert policy.class_prior(0) == policy.prior
+    fresh = [RequestView(4, [], [], draft_class=4), RequestView(4, [], [], draft_class=1)]
+    ks = policy.choose(fresh, StepPrice(2, 2, 200, step, no_draft_cost))
+    assert ks[0] >= 2 and ks[1] == 0
+
+
+def test_a_requests_counts_are_kept_per_draft_grade():
+    from tidal.adaptive.stats import SpecStats
+
+    stats = SpecStats()
+    stats.draft_class = 4
+    stats.record(2, 2)
+    stats.draft_class = 1
+    stats.record(2, 0)
+    assert stats.counts(4) == ([1.0, 1.0], [1.0, 1.0])
+    assert stats.counts(1) == ([1.0, 0.0], [0.0, 0.0])
+    assert stats.counts(3) == ([], []) and stats.num_drafted == 4 and stats.num_accepted == 2

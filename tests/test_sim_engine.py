@@ -101,6 +101,9 @@ class KnowingDrafter:
     def available(self, seqs, max_k):
         return [max_k] * len(seqs)
 
+    def draft_class(self, seq):
+        return 0
+
     def catch_up(self, seq):
         return seq.num_computed_tokens - self.caught_up.get(seq, 0)
 
@@ -140,7 +143,7 @@ def test_simulated_speculation_equals_the_engines(tiny_model_dir, mode, monkeypa
     observe, record = eng.step_cost.observe, eng.policy.record
     eng.step_cost.observe = lambda t, s, c, sec, **kw: (shapes.append((t, s, c)), verifying.append(kw["drafting"]),
                                                         observe(t, s, c, sec, **kw))
-    eng.policy.record = lambda d, a: (verifications.append((d, a)), record(d, a))
+    eng.policy.record = lambda d, a, c=0: (verifications.append((d, a)), record(d, a, c))
 
     fades.clear()  # not the continuation's
     run_closed_loop(eng)

@@ -9,7 +9,7 @@ from tidal import SamplingParams
 from tidal.config import CacheConfig, SchedulerConfig, SpecConfig
 from tidal.engine.llm_engine import LLM
 from tidal.speculative import verify
-from tidal.speculative.ngram import ngram_propose
+from tidal.speculative.ngram import match_grade, ngram_match, ngram_propose
 
 
 def test_ngram_proposes_the_continuation_of_the_latest_match():
@@ -18,6 +18,15 @@ def test_ngram_proposes_the_continuation_of_the_latest_match():
     assert ngram_propose([1, 2, 3, 9, 9, 2, 3], k=5, max_n=2) == [9, 9, 2, 3]
     assert ngram_propose([1, 2, 3, 4], k=3) == []
     assert ngram_propose([7], k=3) == []
+
+
+def test_ngram_match_length_extends_past_the_suffix_and_grades_it():
+    # the 4-token suffix 2 3 4 5 recurs, preceded by 1 there and here: 5 tokens match
+    assert ngram_match([1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5], k=2) == ([9, 1], 5)
+    assert ngram_match([8, 3, 4, 9, 7, 3, 4], k=1) == ([9], 2)  # only the bigram 3 4 recurs
+    assert ngram_match(list(range(20)) + list(range(20)), k=3, longest=16) == ([0, 1, 2], 16)
+    assert ngram_match([1, 2, 3], k=2) == ([], 0)
+    assert [match_grade(n) for n in (0, 2, 3, 4, 7, 8, 15, 16, 40)] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

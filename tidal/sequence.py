@@ -59,9 +59,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def spec_view(self, max_k: int, catch_up: int) -> RequestView:
+    def spec_view(self, max_k: int, catch_up: int, draft_class: int = 0) -> RequestView:
         """What the speculation policy sees of this request: at most `max_k` drafts, and never
-        more than it may still emit less the verifier's own token."""
+        more than it may still emit less the verifier's own token; its counts for drafts of
+        `draft_class`."""
         s, remaining = self.spec, self.params.max_tokens - len(self.output_token_ids)
-        return RequestView(min(max_k, max(0, remaining - 1)), s.recent_reached, s.recent_accepted, catch_up,
-                           s.chosen_k, remaining)
+        reached, accepted = s.counts(draft_class)
+        return RequestView(min(max_k, max(0, remaining - 1)), reached, accepted, catch_up, s.chosen_k, remaining,
+                           draft_class)

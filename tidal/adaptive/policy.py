@@ -32,6 +32,8 @@ class RequestView:
     catch_up: int = 0  # positions the drafter must catch up on before drafting (EAGLE after a pause)
     prev_k: int | None = None  # what it got last step
     remaining: int | None = None  # tokens it may still emit (None: unknown)
+    draft_class: int = 0  # the drafter's grade of the drafts it would get (0: ungraded); `reached` and
+    # `accepted` are its counts for drafts of this class
 
 
 def parse_schedule(text: str) -> list[tuple[int, int | None, int]]:
@@ -124,7 +126,8 @@ class SpecPolicy:
 
     def __init__(self, mode: str, max_k: int, schedule: str | None = None, margin: float = 0.03, min_gain: float = 0.05,
                  prior_weight: float = 2.0, decay: float = 0.98, initial_acceptance: float = 0.5,
-                 probe_every: int = 16, probe_share: float = 0.01, plain_every: int = 64, optimism: float = 0.2):
+                 probe_every: int = 16, probe_share: float = 0.01, plain_every: int = 64, optimism: float = 0.2,
+                 class_weight: float = 4.0):
         if mode not in MODES:
             raise ValueError(f"speculation mode {mode!r} is not one of {', '.join(MODES)}")
         self.mode, self.max_k, self.margin, self.prior_weight, self.decay = mode, max_k, margin, prior_weight, decay
@@ -135,6 +138,9 @@ class SpecPolicy:
         # engine-wide recency-weighted counts per draft position: the prior of every request
         self._reached = [1.0] * max_k
         self._accepted = [initial_acceptance] * max_k
+        # the same per graded draft class, smoothed towards the engine-wide counts with `class_weight`
+        self._classes: dict[int, tuple[list[float], list[float]]] = {}
+        self.class_weight = class_weight
         self.probe_every, self.probe_share, self.plain_every = probe_every, probe_share, plain_every
         # per draft position l: adaptive steps whose longest chain stopped at l - 1 since a chain last
         # reached l (l = 1: steps in a row without drafts), and their predicted verification time
@@ -146,14 +152,31 @@ class SpecPolicy:
     def prior(self) -> list[float]:
         return [a / r for a, r in zip(self._accepted, self._reached)]
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def class_prior(self, draft_class: int) -> list[float]:
+        """The prior of drafts the drafter graded `draft_class`: that class's engine-wide counts,
+        smoothed towards all drafts' with weight `class_weight` (class 0, ungraded: all drafts').
+        A grade (an n-gram match's length) tells a request's next drafts apart before the
+        request's own counts of that grade exist."""
+        counts = self._classes.get(draft_class) if draft_class else None
+        if counts is None:
+            return self.prior
+        w = self.class_weight
+        return [(a + w * p) / (r + w) for r, a, p in zip(*counts, self.prior)]
+
+    def record(self, num_drafted: int, num_accepted: int, draft_class: int = 0) -> None:
         """One verification anywhere in the engine: positions 1..num_accepted + 1 were reached.
         Counted per verification, the prior leans towards the requests that draft most, which
         are those that accept most (counting each request once erred the other way: a request
         whose first drafts are rejected stops drafting and keeps a rate near 0)."""
-        for l in range(min(num_drafted, num_accepted + 1)):
+        graded = None
+        if draft_class:
+            graded = self._classes.setdefault(draft_class, ([0.0] * self.max_k, [0.0] * self.max_k))
+        for l in range(min(num_drafted, num_accepted + 1, self.max_k)):
             self._reached[l] = self.decay * self._reached[l] + 1
             self._accepted[l] = self.decay * self._accepted[l] + (l < num_accepted)
+            if graded:
+                graded[0][l] = self.decay * graded[0][l] + 1
+                graded[1][l] = self.decay * graded[1][l] + (l < num_accepted)
 
     def most(self, num_requests: int) -> int:
         """The most drafts any of `num_requests` decoding requests can get this step, known
@@ -168,9 +191,10 @@ class SpecPolicy:
         if self.mode == "schedule":
             k = self.most(len(requests))
             return [min(k, r.max_k) for r in requests]
-        prior, optimism = self.prior, self.optimism / max(1, len(requests))
-        worths = [draft_worths(acceptance_curve(r.reached, r.accepted, prior, self.prior_weight, optimism),
-                               min(self.max_k, r.max_k)) for r in requests]
+        priors = {c: self.class_prior(c) for c in {r.draft_class for r in requests}}
+        optimism = self.optimism / max(1, len(requests))
+        worths = [draft_worths(acceptance_curve(r.reached, r.accepted, priors[r.draft_class], self.prior_weight,
+                                                optimism), min(self.max_k, r.max_k)) for r in requests]
         charges = [self.catch_up_charge(r, w) for r, w in zip(requests, worths)]
         budget = sum(len(w) for w in worths) if draft_budget is None else max(0, draft_budget)
         price = price.with_prefill(len(requests))

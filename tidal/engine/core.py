@@ -98,7 +98,7 @@ class EngineCore:
             tokens = next(gained) if s.samples else []
             if s.num_draft_tokens:  # accepted drafts already have their KV written
                 seq.spec.record(s.num_draft_tokens, len(tokens) - 1)
-                self.policy.record(s.num_draft_tokens, len(tokens) - 1)
+                self.policy.record(s.num_draft_tokens, len(tokens) - 1, seq.spec.draft_class)
                 stats.spec.record(s.num_draft_tokens, len(tokens) - 1)
                 seq.num_computed_tokens += len(tokens) - 1
                 seq.draft_token_ids, seq.draft_probs = [], None
@@ -121,13 +121,13 @@ class EngineCore:
 
     def _propose(self, seqs: list[Sequence]) -> None:
         """Drafts for the next step, as many per request as the policy chooses."""
-        ks = self._choose_k(seqs)
+        ks, classes = self._choose_k(seqs)
         stats = self.last_step_stats
         stats.chosen_k = list(ks)  # the policy's choice; ks is trimmed to free blocks below
         for k in ks:
             self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
-        for seq, k in zip(seqs, ks):
-            seq.spec.chosen_k = k
+        for seq, k, c in zip(seqs, ks, classes):
+            seq.spec.chosen_k, seq.spec.draft_class = k, c
         ks = self.scheduler.reserve_drafts(seqs, ks)
         if not any(ks):
             return  # speculation off this step: no drafter call at all
@@ -140,16 +140,18 @@ class EngineCore:
             seq.draft_token_ids = list(draft)
             seq.draft_probs = None if probs is None else probs[i]
 
-    def _choose_k(self, seqs: list[Sequence]) -> list[int]:
-        """The policy's draft lengths, given the step the scheduler is about to build: the
-        decoding requests' one token each plus the prefill it will feed next."""
+    def _choose_k(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """The policy's draft lengths, given the step the scheduler is about to build (the
+        decoding requests' one token each plus the prefill it will feed next), and the
+        drafter's grade of each request's drafts."""
         load = self.scheduler.spec_load(seqs)
         most = self.policy.most(len(seqs))  # 0 (a schedule's): no lookup, K = 0 costs the drafter nothing
         caps = self.drafter.available(seqs, most) if most else [0] * len(seqs)
-        views = [s.spec_view(cap, self.drafter.catch_up(s)) for s, cap in zip(seqs, caps)]
+        classes = [self.drafter.draft_class(s) if most else 0 for s in seqs]
+        views = [s.spec_view(cap, self.drafter.catch_up(s), c) for s, cap, c in zip(seqs, caps, classes)]
         price = StepPrice(load.tokens, load.seqs, load.context, self.step_cost.pricing(load.tokens),
                           self.draft_cost.predict)
-        return self.policy.choose(views, price, load.draft_budget)
+        return self.policy.choose(views, price, load.draft_budget), classes
 
     # ------------------------------------------------------------ start-up profile
 

@@ -208,6 +208,9 @@ class _SimDrafter:
     def available(self, seqs: list[Sequence], max_k: int) -> list[int]:
         return [max_k] * len(seqs)
 
+    def draft_class(self, seq: Sequence) -> int:
+        return 0  # the acceptance model does not grade drafts
+
     def catch_up(self, seq: Sequence) -> int:
         return seq.num_computed_tokens - self._caught_up.get(seq, 0)
 

@@ -25,6 +25,12 @@ class Drafter(Protocol):
         and no chance of a token, so pricing it would be pricing nothing."""
         ...
 
+    def draft_class(self, seq: Sequence) -> int:
+        """The drafter's grade of the drafts `available` last found for `seq`, a small integer
+        (0: it does not grade). Drafts of one grade are accepted alike, so the policy keeps an
+        acceptance prior per grade and a request's counts per grade."""
+        ...
+
     def catch_up(self, seq: Sequence) -> int:
         """Positions the drafter must process before it can draft for `seq` (EAGLE-3 after a
         pause in speculation); the policy charges them to the step."""

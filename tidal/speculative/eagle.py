@@ -71,6 +71,9 @@ class Eagle3Drafter:
     def available(self, seqs: list[Sequence], max_k: int) -> list[int]:
         return [max_k] * len(seqs)  # the head always drafts; what it gets right is only known after
 
+    def draft_class(self, seq: Sequence) -> int:
+        return 0  # ungraded
+
     def catch_up(self, seq: Sequence) -> int:
         """Verified positions whose features wait for the head (all of them after a pause)."""
         return seq.num_computed_tokens - self.state(seq).num_computed
