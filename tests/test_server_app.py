@@ -107,6 +107,10 @@ def test_tokens_usage_spec_and_chosen_k_metrics():
         assert _metric(client, 'tidal:spec_decode_num_drafted_tokens_per_pos_total{model_name="fake",position="1"}') == 5
         assert _metric(client, "tidal:spec_decode_chosen_k_count") == 5  # one K per request per step
         assert _metric(client, "tidal:spec_decode_chosen_k_sum") == 10
+        # per request: half its drafts accepted (class mid), two drafts per step it emitted in
+        assert _metric(client, "tidal:spec_decode_request_acceptance_rate_count") == 1
+        assert _metric(client, "tidal:spec_decode_request_acceptance_rate_sum") == 0.5
+        assert _metric(client, 'tidal:spec_decode_request_mean_k_sum{acceptance="mid",model_name="fake"}') == 2.0
         assert _metric(client, "tidal:kv_cache_usage_perc") == 0
 
 

@@ -84,6 +84,9 @@ class _Tracked:
     last_output: float | None = None
     first_token: float | None = None
     num_tokens: int = 0
+    num_outputs: int = 0  # engine steps that gave it tokens
+    num_drafted: int = 0
+    num_accepted: int = 0
 
 
 class ComputeThread:
@@ -264,15 +267,18 @@ class AsyncEngine:
                 m.inter_token_latency.observe(now - t.last_output)
             t.last_output = now
             m.generation_tokens.inc(max(0, new_tokens))
+            t.num_outputs += 1
             if out.num_draft_tokens:
                 d, a = out.num_draft_tokens, out.num_accepted_tokens
                 m.spec_positions([1] * d, [1] * a + [0] * (d - a))
+                t.num_drafted, t.num_accepted = t.num_drafted + d, t.num_accepted + a
             if out.finished:
                 del self._tracked[out.request_id]
                 m.e2e_request_latency.observe(now - t.stream.arrival)
                 if t.num_tokens > 1:
                     m.time_per_output_token.observe((now - t.first_token) / (t.num_tokens - 1))
                 m.request_finished(out.finish_reason)
+                m.request_speculation(t.num_outputs, t.num_drafted, t.num_accepted)
             batch.append((t.stream, out))
         stats = self.engine.last_step_stats  # the step's published result
         if stats is not None and stats is not self._last_step_stats:  # a fresh step's, not stale

@@ -14,6 +14,17 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _K_BUCKETS = tuple(range(0, 16))  # num_speculative_tokens is at most 15
+_RATE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+_MEAN_K_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 15.0)
+
+
+def acceptance_class(drafted: int, accepted: int) -> str:
+    """A request's class by the share of its drafts accepted: none (never drafted), low (under
+    a third), mid, high (two thirds or more)."""
+    if not drafted:
+        return "none"
+    rate = accepted / drafted
+    return "low" if rate < 1 / 3 else "high" if rate >= 2 / 3 else "mid"
 
 
 class ServerMetrics:
@@ -62,6 +73,14 @@ class ServerMetrics:
         self.chosen_k = histogram(
             "spec_decode_chosen_k", "Draft length chosen per request per step (0 = no drafting).",
             _K_BUCKETS)
+        self.request_acceptance = histogram(
+            "spec_decode_request_acceptance_rate", "Per finished request that drafted: drafts accepted / verified.",
+            _RATE_BUCKETS)
+        self._request_mean_k = Histogram(
+            "tidal:spec_decode_request_mean_k",
+            "Per finished request: drafts verified per step it emitted in, by its acceptance class "
+            "(none: never drafted; low < 1/3 accepted <= mid < 2/3 <= high).",
+            labelnames=[*labels, "acceptance"], buckets=_MEAN_K_BUCKETS, registry=r)
 
     def bind_state(self, running: Callable[[], float], waiting: Callable[[], float],
                    kv_usage: Callable[[], float]) -> None:
@@ -72,6 +91,13 @@ class ServerMetrics:
 
     def request_finished(self, reason: str | None) -> None:
         self._success.labels(**self._labels, finished_reason=reason or "unknown").inc()
+
+    def request_speculation(self, steps: int, drafted: int, accepted: int) -> None:
+        """A finished request's speculation: the steps it emitted in and its drafts verified / accepted."""
+        if drafted:
+            self.request_acceptance.observe(accepted / drafted)
+        self._request_mean_k.labels(**self._labels, acceptance=acceptance_class(drafted, accepted)).observe(
+            drafted / max(1, steps))
 
     def spec_positions(self, drafted: list[int], accepted: list[int]) -> None:
         """Per-position deltas of drafted and accepted tokens (index = draft position)."""
