@@ -2,7 +2,7 @@
 
     python benchmarks/adaptive.py [--concurrency 1,2,4,8,16,32,64,128] [--output-len 128]
                                   [--modes off,fixed:2,fixed:4,adaptive:4] [--method eagle3]
-                                  [--workload chat|rewrite|mixed]
+                                  [--workload chat|rewrite|mixed] [--modes ...,schedule]
 
 At each concurrency C, every mode serves the same requests (shipped chat prompts, or the
 repetition-heavy rewrite prompts where an n-gram drafter has something to copy; greedy,
@@ -28,6 +28,7 @@ import torch
 from tidal import LLM, SamplingParams
 from tidal.config import SpecConfig
 from tidal.datasets import chat_prompts, mixed_prompts, rewrite_prompts
+from tidal.sim.tune import best_k, k_of, schedule_ranges, tidal_schedule
 
 
 def spec_for(mode: str, method: str) -> SpecConfig:
@@ -123,37 +124,29 @@ def interleaved(loops: list[ClosedLoop]) -> None:
         rounds += 1
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128")
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--min-requests", type=int, default=4)
-    ap.add_argument("--modes", default="off,fixed:2,fixed:4,adaptive:4")
-    ap.add_argument("--method", default="eagle3", choices=["eagle3", "ngram"])
-    ap.add_argument("--workload", default="chat", choices=["chat", "rewrite", "mixed"],
-                    help="mixed: chat and rewrite prompts taking turns")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--json", default=None, help="also write the records here")
-    args = ap.parse_args()
-    modes = args.modes.split(",")
-    levels = [int(c) for c in args.concurrency.split(",")]
-    engines = {m: LLM(dtype=args.dtype, spec=spec_for(m, args.method)) for m in modes}
-    tok = next(iter(engines.values())).tokenizer
-    texts = {"chat": chat_prompts, "rewrite": rewrite_prompts, "mixed": mixed_prompts}[args.workload]()
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in texts]
-    interleaved([ClosedLoop(llm, prompts, 2, 2, 8) for llm in engines.values()])  # warm up
+def run_levels(engines: dict[str, LLM], prompts, levels: list[int], args) -> dict:
+    """(mode, concurrency) -> ClosedLoop.result(), every mode's engine interleaved at each level."""
     results = {}
     for c in levels:
-        loops = {m: ClosedLoop(engines[m], prompts, c, max(c, args.min_requests), args.output_len) for m in modes}
+        loops = {m: ClosedLoop(llm, prompts, c, max(c, args.min_requests), args.output_len) for m, llm in engines.items()}
         interleaved(list(loops.values()))
         for m, loop in loops.items():
             results[m, c] = loop.result()
-        print(f"  C={c}: " + ", ".join(f"{m} {r[1] / r[0]:.1f}" for (m, cc), r in results.items() if cc == c)
+        print(f"  C={c}: " + ", ".join(f"{m} {results[m, c][1] / results[m, c][0]:.1f}" for m in engines)
               + " tok/s", flush=True)
+    return results
+
+
+def derived_schedule(rate: dict, modes: list[str], levels: list[int]) -> str:
+    """The batch-size -> K schedule `tidal tune` derives from the off and fixed:K runs: at each
+    concurrency the K with the most tok/s, as a vLLM user's num_speculative_tokens_per_batch_size."""
+    records = [{"target": m, "concurrency": c, "output_tok_s": rate[m, c]} for m in modes for c in levels
+               if k_of(m) is not None]
+    return tidal_schedule(schedule_ranges(best_k(records), max(levels)))
+
+
+def print_table(results: dict, modes: list[str], levels: list[int]) -> None:
     rate = {key: r[1] / r[0] for key, r in results.items()}
-    dtype = next(iter(engines.values())).engine.dtype
-    print(f"\n# {args.method}, {args.output_len} greedy tokens per request, shipped {args.workload} prompts, "
-          f"closed loop; dtype {dtype}, torch {torch.__version__}, {platform.processor() or platform.machine()}")
     print("| concurrency | " + " | ".join(f"{m} tok/s" for m in modes) + " | "
           + " | ".join(f"{m} / best other" for m in modes) + " | adaptive mean K | adaptive acceptance |")
     print("|---" * (2 * len(modes) + 3) + "|")
@@ -169,14 +162,60 @@ def main():
         else:
             cells += ["-", "-"]
         print(f"| {c} | " + " | ".join(cells) + " |")
-    fixed = [m for m in modes if m.startswith("fixed")]
-    if "off" in modes and fixed:
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32,64,128")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--min-requests", type=int, default=4)
+    ap.add_argument("--modes", default="off,fixed:2,fixed:4,adaptive:4",
+                    help="off, fixed:K, adaptive:K, schedule:RANGES, or a bare `schedule`: the schedule "
+                         "derived from this run's off and fixed:K results, run in a second pass beside "
+                         "the adaptive modes")
+    ap.add_argument("--method", default="eagle3", choices=["eagle3", "ngram"])
+    ap.add_argument("--workload", default="chat", choices=["chat", "rewrite", "mixed"],
+                    help="mixed: chat and rewrite prompts taking turns")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--json", default=None, help="also write the records here")
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    derive = "schedule" in modes
+    first = [m for m in modes if m != "schedule"]
+    if derive and not any(k_of(m) is not None for m in first):
+        ap.error("a bare `schedule` mode derives from off / fixed:K modes: name some")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    engines = {m: LLM(dtype=args.dtype, spec=spec_for(m, args.method)) for m in first}
+    tok = next(iter(engines.values())).tokenizer
+    texts = {"chat": chat_prompts, "rewrite": rewrite_prompts, "mixed": mixed_prompts}[args.workload]()
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in texts]
+    interleaved([ClosedLoop(llm, prompts, 2, 2, 8) for llm in engines.values()])  # warm up
+    results = run_levels(engines, prompts, levels, args)
+    rate = {key: r[1] / r[0] for key, r in results.items()}
+    dtype = next(iter(engines.values())).engine.dtype
+    print(f"\n# {args.method}, {args.output_len} greedy tokens per request, shipped {args.workload} prompts, "
+          f"closed loop; dtype {dtype}, torch {torch.__version__}, {platform.processor() or platform.machine()}")
+    print_table(results, first, levels)
+    fixed = [m for m in first if m.startswith("fixed")]
+    if "off" in first and fixed:
         cross = next((c for c in levels if rate["off", c] >= max(rate[f, c] for f in fixed)), None)
         print(f"\ncrossover: plain decoding first beats every fixed K at concurrency {cross}")
+    records = [{"mode": m, "concurrency": c, "seconds": r[0], "output_tokens": r[1], "drafted": r[2],
+                "accepted": r[3], "chosen_k": r[4]} for (m, c), r in results.items()]
+    if derive:
+        schedule = derived_schedule(rate, first, levels)
+        print(f"\nschedule derived from the off / fixed:K runs: {schedule}; second pass beside the adaptive modes")
+        second = {"schedule": LLM(dtype=args.dtype, spec=spec_for("schedule:" + schedule, args.method))}
+        second.update({m: engines[m] for m in first if m.startswith("adaptive")})
+        interleaved([ClosedLoop(llm, prompts, 2, 2, 8) for llm in second.values()])
+        again = run_levels(second, prompts, levels, args)
+        print_table(again, list(second), levels)
+        records += [{"mode": m, "concurrency": c, "pass": 2, "schedule": schedule, "seconds": r[0],
+                     "output_tokens": r[1], "drafted": r[2], "accepted": r[3], "chosen_k": r[4]}
+                    for (m, c), r in again.items()]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{"mode": m, "concurrency": c, "seconds": r[0], "output_tokens": r[1], "drafted": r[2],
-                        "accepted": r[3], "chosen_k": r[4]} for (m, c), r in results.items()], f, indent=1)
+            json.dump(records, f, indent=1)
 
 
 if __name__ == "__main__":
