@@ -9,11 +9,11 @@ from tidal.adaptive.cost import DraftCostModel, StepCostModel
 from tidal.adaptive.policy import RequestView, SpecPolicy, StepPrice, parse_schedule, scheduled_k
 
 
-def memory_bound(tokens, seqs, context):  # weights dominate: extra tokens are nearly free
+def memory_bound(tokens, seqs, context, verifying=0):  # weights dominate: extra tokens are nearly free
     return 0.020 + 0.00002 * tokens
 
 
-def compute_bound(tokens, seqs, context):  # every token costs as much as a whole step's worth
+def compute_bound(tokens, seqs, context, verifying=0):  # every token costs as much as a whole step's worth
     return 0.001 + 0.002 * tokens
 
 
@@ -40,7 +40,7 @@ def test_memory_bound_costs_give_drafts_and_compute_bound_costs_give_none():
 def test_low_acceptance_gets_fewer_drafts_than_high_in_the_same_batch():
     policy = SpecPolicy("adaptive", 6)
 
-    def moderate(tokens, seqs, context):  # each token costs 4% of a one-token step
+    def moderate(tokens, seqs, context, verifying=0):  # each token costs 4% of a one-token step
         return 0.010 + 0.0004 * tokens
 
     ks = policy.choose(views([0.1, 0.8] * 4), StepPrice(8, 8, 800, moderate, no_draft_cost))
@@ -52,7 +52,7 @@ def test_an_unmeasured_request_gets_the_benefit_of_the_doubt():
     """Acceptance 0.3 is just short of paying for a draft that costs 26% of a step (as at one
     request on the bundled model) with the 5% bar: a request not yet measured starts from an
     optimistic prior and drafts, one measured lower does not, one measured higher does."""
-    cost = lambda t, s, c: 0.010 + 0.0026 * (t - 1)  # noqa: E731
+    cost = lambda t, s, c, v=0: 0.010 + 0.0026 * (t - 1)  # noqa: E731
 
     def choose(view, optimism=0.2):
         return SpecPolicy("adaptive", 1, initial_acceptance=0.3, optimism=optimism).choose(
@@ -76,7 +76,7 @@ def test_draft_cost_and_catch_up_are_charged():
 def test_goodput_choice_is_the_best_allocation_by_brute_force():
     policy = SpecPolicy("adaptive", 3)
     reqs = views([0.9, 0.5, 0.2], k=3)
-    cost = lambda t, s, c: 0.01 + 0.001 * t + 0.004 * (t > 5)  # noqa: E731  a kernel switch at 5
+    cost = lambda t, s, c, v=0: 0.01 + 0.001 * t + 0.004 * (t > 5)  # noqa: E731  a kernel switch at 5
     ks = policy.choose(reqs, StepPrice(3, 3, 300, cost, no_draft_cost))
     worths = [[0.9, 0.81, 0.729], [0.5, 0.25, 0.125], [0.2, 0.04, 0.008]]
     price = StepPrice(3, 3, 300, cost, no_draft_cost)
@@ -138,7 +138,7 @@ def test_a_position_no_request_drafts_is_probed_too():
     of position 2 (two rejections) would stand for good: once `probe_every` steps' chains stopped
     at position 1 since one last reached 2, the request likeliest to reach 2 gets a second draft
     for a step, if that costs at most `probe_share` of those steps' time."""
-    def verify(tokens, seqs, context):  # a draft costs a fifth of a plain step
+    def verify(tokens, seqs, context, verifying=0):  # a draft costs a fifth of a plain step
         return 0.010 + 0.0025 * tokens
 
     def run(reqs_per_step, cost=verify):
@@ -151,7 +151,7 @@ def test_a_position_no_request_drafts_is_probed_too():
     choices = run([[one]] * 30)
     assert [i for i, ks in enumerate(choices) if ks != [1]] == [9, 19, 29] and choices[9] == [2]
     # too dear for 5% of 10 steps (12.5 ms against 7.5): it waits until 5% covers it (17 steps)
-    dear = lambda t, s, c: verify(t, s, c) + (0.01 if t >= 3 else 0.0)  # noqa: E731
+    dear = lambda t, s, c, v=0: verify(t, s, c) + (0.01 if t >= 3 else 0.0)  # noqa: E731
     assert [i for i, ks in enumerate(run([[one]] * 30, dear)) if ks != [1]] == [16]
     # chains that reach position 2 by choice (steps 6-8) start the count again
     two = RequestView(4, [50.0, 50.0, 2.0, 0.0], [45.0, 45.0, 0.2, 0.0])
@@ -200,14 +200,14 @@ def run_noisy(margin: float, fitted: bool) -> tuple[int, list[int]]:
     rng = random.Random(0)
     model = StepCostModel(window=64)
     policy = SpecPolicy("adaptive", 4, margin=margin, probe_every=10**9)  # probes change K on purpose
-    true = lambda t, s, c: 0.010 + 0.002 * t  # noqa: E731  one draft each barely pays at 0.6
+    true = lambda t, s, c, v=0: 0.010 + 0.002 * t  # noqa: E731  one draft each barely pays at 0.6
     for t in (1, 2, 4, 8, 16, 32):
         model.observe(t, 4, 400, true(t, 4, 400), anchor=True)
     prev, changes, drafts = None, 0, []
     for _ in range(300):
         noise = {}
         noisy = np.vectorize(lambda t: noise[t] if t in noise else noise.setdefault(t, rng.uniform(0.98, 1.02)))
-        raw = lambda t, s, c: true(t, s, c) * noisy(t)  # noqa: E731
+        raw = lambda t, s, c, v=0: true(t, s, c) * noisy(t)  # noqa: E731
         price = StepPrice(4, 4, 400, model.predict if fitted else raw, no_draft_cost)
         ks = policy.choose(views([0.6] * 4, k=4, prev=prev if margin else None), price)
         changes += prev is not None and ks != prev
@@ -250,7 +250,7 @@ def test_acceptance_prior_tracks_what_the_engine_records():
 
 def test_step_cost_model_fits_a_piecewise_cost_and_extrapolates():
     model = StepCostModel(knots=(1, 2, 4, 8, 16, 17, 32, 64, 128))
-    true = lambda t, s, c: 0.01 + 0.0002 * t + (0.02 if t > 16 else 0.0) + 0.00001 * s + 1e-6 * c  # noqa: E731
+    true = lambda t, s, c, v=0: 0.01 + 0.0002 * t + (0.02 if t > 16 else 0.0) + 0.00001 * s + 1e-6 * c  # noqa: E731
     rng = random.Random(1)
     for _ in range(200):
         t, s = rng.randint(1, 128), rng.randint(1, 32)
@@ -318,7 +318,7 @@ def test_draft_cost_model_fits_forwards_tokens_and_catch_up():
 def test_drafting_must_promise_the_minimum_gain():
     """One draft per request at acceptance 0.6 promises +11% over plain decoding here: taken
     with a 10% bar, not with a 20% one."""
-    cost = lambda t, s, c: 0.010 + 0.002 * t  # noqa: E731
+    cost = lambda t, s, c, v=0: 0.010 + 0.002 * t  # noqa: E731
     price = StepPrice(4, 4, 400, cost, no_draft_cost)
     assert sum(SpecPolicy("adaptive", 1, min_gain=0.1).choose(views([0.6] * 4), price)) == 4
     assert SpecPolicy("adaptive", 1, min_gain=0.2).choose(views([0.6] * 4), price) == [0] * 4
@@ -327,7 +327,7 @@ def test_drafting_must_promise_the_minimum_gain():
 def test_live_steps_set_the_level_of_the_start_up_profile():
     """Profiled on an idle machine, then every live step (all plain decodes of 32 tokens) takes
     1.5x as long: the steps only the profile measured (64 tokens) are predicted 1.5x too."""
-    true = lambda t, s, c: 0.05 + 0.002 * t  # noqa: E731
+    true = lambda t, s, c, v=0: 0.05 + 0.002 * t  # noqa: E731
     model = StepCostModel()
     for t in (1, 4, 16, 32, 64, 128):
         model.observe(t, 32, 3200, true(t, 32, 3200), anchor=True)
@@ -342,7 +342,7 @@ def test_drafting_steps_the_fit_underprices_are_priced_by_their_measured_bias():
     costs a fixed 8 ms more than the token curve (a second attention call, say). The fit, one
     curve for every token and anchored by a profile without that cost, underprices those steps;
     draft_bias brings their price to what they measured, and leaves plain steps' price alone."""
-    true = lambda t, s, c: 0.030 + 0.0005 * t  # noqa: E731
+    true = lambda t, s, c, v=0: 0.030 + 0.0005 * t  # noqa: E731
     model = StepCostModel()
     for t in (1, 4, 16, 32, 64, 128):
         model.observe(t, 32, 3200, true(t, 32, 3200), anchor=True)
@@ -351,9 +351,8 @@ def test_drafting_steps_the_fit_underprices_are_priced_by_their_measured_bias():
         tokens = 36 if drafting else 32
         model.observe(tokens, 32, 3200, true(tokens, 32, 3200) + 0.008 * drafting, drafts=tokens - 32)
     assert model.predict(36, 32, 3200) < 0.93 * (true(36, 32, 3200) + 0.008)  # the fit alone
-    price = model.pricing(32)
-    assert price(36, 32, 3200) == pytest.approx(true(36, 32, 3200) + 0.008, rel=0.03)
-    assert price(32, 32, 3200) == pytest.approx(true(32, 32, 3200), rel=0.03)
+    assert model.predict(36, 32, 3200, 1) == pytest.approx(true(36, 32, 3200) + 0.008, rel=0.03)
+    assert model.predict(32, 32, 3200) == pytest.approx(true(32, 32, 3200), rel=0.03)
     bias = model.draft_bias
     assert bias > 0.1
     model.observe(60, 32, 3200, 0.5, drafts=None)  # a step that also prefills: not a decode step
@@ -363,7 +362,7 @@ def test_drafting_steps_the_fit_underprices_are_priced_by_their_measured_bias():
 def test_the_optimistic_prior_shrinks_with_the_batch():
     """The benefit of the doubt is one request's share of a step: a new request alone drafts on
     it, eight new requests in a batch do not."""
-    cost = lambda t, s, c: 0.010 * s + 0.003 * (t - s)  # noqa: E731  a token per request 0.01 s, a draft 0.003 s
+    cost = lambda t, s, c, v=0: 0.010 * s + 0.003 * (t - s)  # noqa: E731  a token per request 0.01 s, a draft 0.003 s
     policy = SpecPolicy("adaptive", 1, initial_acceptance=0.3)
     assert policy.choose([RequestView(1, [], [])], StepPrice(1, 1, 100, cost, no_draft_cost)) == [1]
     eight = [RequestView(1, [], []) for _ in range(8)]
@@ -382,17 +381,16 @@ def test_sequences_verifying_drafts_are_priced_beyond_their_tokens():
         for k in (0, 2, 4):
             t, c, g = n * (1 + k), n * (60 + k), n if k else 0
             model.observe(t, n, c, true(t, n, c, g), anchor=True, drafting=g)
-    price = model.pricing(32)
-    assert price(48, 32, 2240) == pytest.approx(true(48, 32, 2240, 16), rel=0.04)
+    assert model.predict(48, 32, 2240, 16) == pytest.approx(true(48, 32, 2240, 16), rel=0.04)
     assert true(48, 32, 2240, 0) < 0.91 * true(48, 32, 2240, 16)
-    assert price(32, 32, 2240) == pytest.approx(true(32, 32, 2240, 0), rel=0.04)
+    assert model.predict(32, 32, 2240, 0) == pytest.approx(true(32, 32, 2240, 0), rel=0.04)
     assert model.predict(33, 32, 2240, 1) > model.predict(33, 32, 2240, 0)
 
 
 def test_requests_accepting_0_9_and_0_2_in_one_step_get_different_k():
     """A draft costs 20% of a one-token step: worth it at acceptance 0.9, not at 0.2; the
     request that accepts gets drafts, the other none, in the same step."""
-    def step(tokens, seqs, context):
+    def step(tokens, seqs, context, verifying=0):
         return 0.010 + 0.002 * (tokens - 2)
     ks = SpecPolicy("adaptive", 4).choose(views([0.9, 0.2], k=4), StepPrice(2, 2, 200, step, no_draft_cost))
     assert ks[0] > 0 and ks[1] == 0
@@ -402,7 +400,7 @@ def test_the_drafters_grade_moves_k_before_the_request_has_counts():
     """Drafts of grade 4 have been accepted, of grade 1 rejected, elsewhere in the engine: two
     new requests (no counts of their own) whose next drafts are of those grades get different
     K; ungraded drafts (grade 0) keep the engine-wide prior."""
-    def step(tokens, seqs, context):
+    def step(tokens, seqs, context, verifying=0):
         return 0.010 + 0.002 * (tokens - 2)
     policy = SpecPolicy("adaptive", 4, optimism=0.0)
     for _ in range(30):
@@ -426,3 +424,16 @@ def test_a_requests_counts_are_kept_per_draft_grade():
     assert stats.counts(4) == ([1.0, 1.0], [1.0, 1.0])
     assert stats.counts(1) == ([1.0, 0.0], [0.0, 0.0])
     assert stats.counts(3) == ([], []) and stats.num_drafted == 4 and stats.num_accepted == 2
+
+
+def test_drafts_of_one_request_pay_for_one_verifying_sequence():
+    """Each sequence verifying drafts costs 10 ms beyond its tokens. Four drafts of the one
+    request that accepts (0.95) pay that once: worth it. Priced as four verifying sequences
+    (one per draft) they would not be."""
+    def step(tokens, seqs, context, verifying=0):
+        return 0.050 + 0.001 * tokens + 0.010 * verifying
+    reqs = views([0.95] + [0.05] * 7, k=4)
+    policy = SpecPolicy("adaptive", 4, probe_every=10**9)
+    assert policy.choose(reqs, StepPrice(8, 8, 800, step, no_draft_cost)) == [4] + [0] * 7
+    per_draft = lambda t, s, c, v=0: step(t, s, c, min(t - 8, s))  # noqa: E731
+    assert SpecPolicy("adaptive", 4, probe_every=10**9).choose(reqs, StepPrice(8, 8, 800, per_draft, no_draft_cost)) == [0] * 8

@@ -203,13 +203,6 @@ class StepCostModel:
         scale = np.where(np.asarray(drafting) > 0, self._draft_scale, 1.0) if biased else 1.0
         return scale * np.maximum(value, self._fit.floor)  # no step is faster than the fastest one measured
 
-    def pricing(self, base_tokens: int):
-        """The policy's verify cost for a step that feeds `base_tokens` before drafts. It
-        counts min(drafts, sequences) sequences verifying drafts: exact while no request has a
-        second draft before every request has a first, otherwise too many (a dearer step, never
-        a cheaper one); the policy prices totals, not who drafts."""
-        return lambda tokens, seqs, context: self.predict(tokens, seqs, context, min(max(0, tokens - base_tokens), seqs))
-
     @property
     def num_samples(self) -> int:
         return self._fit.num_samples

@@ -86,7 +86,7 @@ def draft_worths(alphas: list[float], k: int) -> list[float]:
     return out
 
 
-VerifyCost = Callable[[int, int, int], float]  # (tokens, seqs, context) -> seconds
+VerifyCost = Callable[[int, int, int, int], float]  # (tokens, seqs, context, sequences verifying drafts) -> seconds
 DraftCost = Callable[[int, int, float], float]  # (forwards, draft tokens, catch-up positions) -> seconds
 
 
@@ -107,18 +107,19 @@ class StepPrice:
         """This price with `prefill` set: the step's time beyond its `num_decoding` plain tokens."""
         if self.base_tokens <= num_decoding:
             return replace(self, prefill=0.0)
-        with_prefill = self.verify(self.base_tokens, self.seqs, self.context)
-        return replace(self, prefill=max(0.0, with_prefill - self.verify(num_decoding, self.seqs, self.context)))
+        with_prefill = self.verify(self.base_tokens, self.seqs, self.context, 0)
+        return replace(self, prefill=max(0.0, with_prefill - self.verify(num_decoding, self.seqs, self.context, 0)))
 
-    def verify_seconds(self, total: int) -> float:
-        """The target's step with `total` drafts to verify, less its prefill."""
-        return self.verify(self.base_tokens + total, self.seqs, self.context + total) - self.prefill
+    def verify_seconds(self, total: int, verifying: int) -> float:
+        """The target's step with `total` drafts to verify over `verifying` sequences, less its prefill."""
+        return self.verify(self.base_tokens + total, self.seqs, self.context + total, verifying) - self.prefill
 
-    def seconds(self, total: int, longest: int, catch_up: float) -> float:
-        """The step with `total` drafts (the longest chain `longest`), their proposal included."""
+    def seconds(self, total: int, longest: int, catch_up: float, verifying: int) -> float:
+        """The step with `total` drafts over `verifying` sequences (the longest chain `longest`),
+        their proposal included."""
         if not total:  # K = 0: no drafter call
-            return self.verify_seconds(0)
-        return self.verify_seconds(total) + self.draft(longest, total, catch_up)
+            return self.verify_seconds(0, 0)
+        return self.verify_seconds(total, verifying) + self.draft(longest, total, catch_up)
 
 
 class SpecPolicy:
@@ -232,7 +233,8 @@ class SpecPolicy:
             self._busy = 0
         if depth >= self.max_k:
             return ks
-        now = price.verify_seconds(total)
+        verifying = sum(1 for k in ks if k)
+        now = price.verify_seconds(total, verifying)
         self._short[depth] += 1
         self._short_seconds[depth] += now
         able = [i for i, r in enumerate(requests) if ks[i] == depth and min(r.max_k, self.max_k) > depth]
@@ -243,23 +245,27 @@ class SpecPolicy:
                 i = max(able, key=lambda i: worths[i][depth - 1])
             catch_up = requests[i].catch_up if depth == 0 else 0
             drafting = price.draft(depth, total, catch_up) if depth else 0.0  # K = 0: no drafter call
-            extra = price.verify_seconds(total + 1) - now + price.draft(depth + 1, total + 1, catch_up) - drafting
+            extra = (price.verify_seconds(total + 1, verifying + (depth == 0)) - now
+                     + price.draft(depth + 1, total + 1, catch_up) - drafting)
             if extra <= self.probe_share * self._short_seconds[depth]:
                 ks = list(ks)
                 ks[i] += 1
                 self._short[depth], self._short_seconds[depth] = 0, 0.0
         return ks
 
-    def _rate(self, emitted: float, total: int, longest: int, catch_up: float, price: StepPrice) -> float:
-        """Emitted tokens per second of decoding with `total` drafts (the longest chain `longest`),
-        discounted by 1 + min_gain when there are any: the policy's objective."""
-        return emitted / max(price.seconds(total, longest, catch_up), 1e-9) / (1 + self.min_gain if total else 1.0)
+    def _rate(self, emitted: float, total: int, longest: int, catch_up: float, verifying: int,
+              price: StepPrice) -> float:
+        """Emitted tokens per second of decoding with `total` drafts over `verifying` sequences
+        (the longest chain `longest`), discounted by 1 + min_gain when there are any: the
+        policy's objective."""
+        seconds = price.seconds(total, longest, catch_up, verifying)
+        return emitted / max(seconds, 1e-9) / (1 + self.min_gain if total else 1.0)
 
     def goodput(self, requests, worths, charges, price: StepPrice, ks) -> float:
         """The objective for draft lengths `ks`: expected emitted tokens per second of decoding."""
         emitted = len(requests) + sum(sum(w[:k]) for w, k in zip(worths, ks))
         catch_up = sum(c for c, k in zip(charges, ks) if k)
-        return float(self._rate(emitted, sum(ks), max(ks, default=0), catch_up, price))
+        return float(self._rate(emitted, sum(ks), max(ks, default=0), catch_up, sum(1 for k in ks if k), price))
 
     def plan(self, requests, worths, charges, price: StepPrice, budget: int) -> list[int]:
         """The goodput-best allocation among prefixes (of at most `budget` drafts) of all drafts
@@ -270,13 +276,15 @@ class SpecPolicy:
         # sorted() is stable: a request's equal-worth drafts stay in chain order
         flat = sorted(((w, i, j) for i, ws in enumerate(worths) for j, w in enumerate(ws, 1)),
                       key=lambda d: -d[0])[:max(0, budget)]
-        emitted, longest, catch_up = float(len(requests)), 0, 0.0
-        best, best_n = self._rate(emitted, 0, 0, catch_up, price), 0
+        emitted, longest, catch_up, verifying = float(len(requests)), 0, 0.0, 0
+        best, best_n = self._rate(emitted, 0, 0, catch_up, 0, price), 0
         for n, (w, i, j) in enumerate(flat, 1):
             emitted += w
             longest = max(longest, j)
-            catch_up += charges[i] if j == 1 else 0.0
-            rate = self._rate(emitted, n, longest, catch_up, price)
+            if j == 1:  # the request's first draft: one more sequence verifying, its backlog paid
+                catch_up += charges[i]
+                verifying += 1
+            rate = self._rate(emitted, n, longest, catch_up, verifying, price)
             if rate > best:  # the first best: the fewest drafts
                 best, best_n = rate, n
         for _, i, _ in flat[:best_n]:

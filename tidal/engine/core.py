@@ -149,8 +149,7 @@ class EngineCore:
         caps = self.drafter.available(seqs, most) if most else [0] * len(seqs)
         classes = [self.drafter.draft_class(s) if most else 0 for s in seqs]
         views = [s.spec_view(cap, self.drafter.catch_up(s), c) for s, cap, c in zip(seqs, caps, classes)]
-        price = StepPrice(load.tokens, load.seqs, load.context, self.step_cost.pricing(load.tokens),
-                          self.draft_cost.predict)
+        price = StepPrice(load.tokens, load.seqs, load.context, self.step_cost.predict, self.draft_cost.predict)
         return self.policy.choose(views, price, load.draft_budget), classes
 
     # ------------------------------------------------------------ start-up profile

@@ -121,7 +121,7 @@ class MeasuredModel:
                 else:
                     verifying = row.get("verifying")
                     if verifying is None and row.get("drafts"):  # a log from before the column:
-                        verifying = min(int(row["drafts"]), int(row["seqs"]))  # as StepCostModel.pricing counts
+                        verifying = min(int(row["drafts"]), int(row["seqs"]))  # at most one per draft
                     points[kind].append((row["tokens"], row["seqs"], row["context"], row["seconds"], verifying))
         return cls(points["step"], points["draft"], knots, points["profile"], points["profile-draft"])
 
