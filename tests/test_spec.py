@@ -197,3 +197,24 @@ def test_greedy_is_lossless_on_the_bundled_model(spec_prompts, plain_outputs, ra
     assert all(s.spec.num_drafted > 0 for s in seqs)
     if method == "ngram":
         assert sum(s.spec.num_accepted for s in seqs) > 20  # the rewrite prompts get drafts accepted
+
+
+def test_ngram_match_agrees_with_a_brute_force_search():
+    """The latest earlier occurrence of the longest suffix of 4..2 tokens, searched naively."""
+    import random
+
+    def naive(tokens, k):
+        for n in range(min(4, len(tokens) - 1), 1, -1):
+            hits = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
+            if hits:
+                end = hits[-1] + n - 1
+                m = n
+                while m < 16 and end - m >= 0 and tokens[end - m] == tokens[-1 - m]:
+                    m += 1
+                return tokens[end + 1:end + 1 + k], m
+        return [], 0
+    rng = random.Random(0)
+    for _ in range(2000):
+        tokens = [rng.randrange(rng.randint(2, 5)) for _ in range(rng.randint(1, 60))]
+        k = rng.randint(1, 5)
+        assert ngram_match(tokens, k) == naive(tokens, k), tokens
