@@ -56,6 +56,76 @@ def test_moe_reads_more_experts_as_the_batch_grows():
     assert m.model.active_params < 0.15 * m.model.total_params
 
 
+def test_glm_4_6_preset_counts_its_dense_layers_shared_and_routed_experts():
+    m = MODELS["glm-4.6"]
+    attention = 5120 * 12288 * 2 + 2 * 5120 * 1024  # q, o (96 heads of 128) and k, v (8 heads)
+    expert = 3 * 5120 * 1536
+    dense = 3 * 5120 * 12288
+    lm_head = 5120 * 151552
+    moe_layer = lambda experts: (experts + 1) * expert + 5120 * 160  # noqa: E731  + the shared expert, router
+    assert m.active_params == 92 * attention + 3 * dense + 89 * moe_layer(8) + lm_head
+    assert m.total_params == 92 * attention + 3 * dense + 89 * moe_layer(160) + 2 * lm_head
+    assert 352e9 < m.total_params < 354e9 and 32e9 < m.active_params < 34e9
+    r = RooflineModel(HARDWARE["rtx-pro-6000x8-pcie"], m, dtype="fp8", efficiency=IDEAL)
+    always, routed = r.weight_parts(1)  # one token: 8 experts per MoE layer, a byte each, an eighth per GPU
+    assert always == pytest.approx((92 * attention + 3 * dense + 89 * (expert + 5120 * 160) + lm_head) / 8)
+    assert routed == pytest.approx(89 * 8 * expert / 8)
+    t = 64  # E * (1 - (1 - k/E)^T) distinct experts per layer
+    assert r.weight_parts(t)[1] == pytest.approx(89 * 160 * (1 - (1 - 8 / 160) ** t) * expert / 8)
+    assert r.weight_parts(10_000)[1] == pytest.approx(89 * 160 * expert / 8)  # every expert read
+
+
+def test_all_reduce_over_pcie_for_target_and_each_head_forward():
+    r = RooflineModel(HARDWARE["rtx-pro-6000x8-pcie"], MODELS["glm-4.6"], dtype="fp8", efficiency=IDEAL)
+    one = 25e-6 + 2 * 7 / 8 * 16 * 5120 * 2 / 64e9  # latency + ring bytes of 16 bf16 hidden vectors
+    assert r.step_terms(StepShape(16, 16, 16000)).comm == pytest.approx(2 * 92 * one)
+    assert r.draft_forward_terms(16, False).comm == pytest.approx(2 * one)  # one layer: its own two
+
+
+def test_eagle3_as_sglang_runs_it_an_extend_then_k_forwards_and_the_overlap_schedule():
+    shape = StepShape(4, 4, 4000)
+    verify = StepShape(16, 4, 4012, draft_tokens=12)
+    tidal = RooflineModel(HARDWARE["rtx-pro-6000x8-pcie"], MODELS["glm-4.6"], dtype="fp8", efficiency=IDEAL)
+    sglang = RooflineModel(HARDWARE["rtx-pro-6000x8-pcie"], MODELS["glm-4.6"], dtype="fp8", efficiency=IDEAL,
+                           drafter="eagle3-sglang")
+    overlap = RooflineModel(HARDWARE["rtx-pro-6000x8-pcie"], MODELS["glm-4.6"], dtype="fp8", efficiency=IDEAL,
+                            drafter="eagle3-sglang-overlap")
+    assert len(tidal.draft_terms([3] * 4, 10)) == 3 and len(sglang.draft_terms([3] * 4, 10)) == 4
+    assert [t.tokens for t in sglang.draft_terms([3] * 4, 10)] == [10, 4, 4, 4]  # extend, then the batch K times
+    host = 1e-3  # the preset's launch overhead; the efficiency's step and draft overheads are 0 here
+    assert sglang.step_time(shape) == pytest.approx(tidal.step_time(shape) - host)  # overlap scheduler
+    assert sglang.step_time(verify) == pytest.approx(tidal.step_time(verify))  # off while drafting
+    assert overlap.step_time(verify) == pytest.approx(tidal.step_time(verify) - host)
+    assert overlap.draft_time([3] * 4, 10) == pytest.approx(sglang.draft_time([3] * 4, 10) - 4 * host)
+
+
+def test_speculative_modes_can_run_a_capped_batch():
+    config = SweepConfig((64,), 64, 16, spec_max_running=48)
+    off, fixed = parse_modes("off,fixed:3")
+    assert config.scheduler_for(off).max_num_seqs == 256 and config.scheduler_for(fixed).max_num_seqs == 48
+    model = RooflineModel(HARDWARE["rtx-pro-6000x8-pcie"], MODELS["glm-4.6"], dtype="fp8", drafter="eagle3-sglang")
+    capped = simulate(model, fixed, 64, config)
+    free = simulate(model, fixed, 64, SweepConfig((64,), 64, 16))
+    assert capped.ttft_ms["p99"] > free.ttft_ms["p99"]  # requests wait for one of the 48 slots
+
+
+def test_explain_splits_a_decode_step_into_terms_that_sum_to_it():
+    from tidal.sim.explain import breakdown, decode_shape, emitted_per_step, explain
+
+    assert emitted_per_step((0.8, 0.5), 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+    model = RooflineModel(HARDWARE["rtx-pro-6000x8-pcie"], MODELS["glm-4.6"], dtype="fp8", drafter="eagle3-sglang")
+    for k in (0, 3):
+        b = breakdown(model, 250, k, (0.7,), 1024, 128)
+        parts = b["target roof = max(memory, compute)"] + b["all-reduce"] + b["overhead"] + b["extend"] + b["drafting"]
+        assert b["step"] == pytest.approx(parts)
+        shape = decode_shape(250, k, 1024, 128)
+        drafts = model.draft_time([k] * 250, round(250 * b["tokens per request per step"])) if k else 0.0
+        assert b["step"] == pytest.approx(model.step_time(shape) + drafts)
+        assert b["tok/s"] == pytest.approx(250 * emitted_per_step((0.7,), k) / b["step"])
+    text = explain(model, 250, [0, 3], (0.7,), 1024, 128, spec_max_running=48)
+    assert "| requests running | 250 | 48 |" in text and "| experts |" in text and "vs off: fixed:3" in text
+
+
 class Flat:
     """Verification is free: a step costs the same whatever it feeds; drafting costs nothing."""
 

@@ -78,7 +78,9 @@ class _Trace:
         self.point, self.tokens = point, tokens
         hw = model.hardware
         self.peak_flops, self.bandwidth, self.launch = model.peak_flops, hw.memory_bandwidth, hw.launch_overhead
+        self.draft_host = model.drafter != "eagle3-sglang-overlap"  # see RooflineModel.draft_host_seconds
         self.steps = self._arrays([model.step_terms(s) for s in rec.steps])
+        self.host_steps = sum(model.pays_host(s.draft_tokens > 0) for s in rec.steps)  # steps that wait for the host
         self.drafts = self._arrays([t for ks, c in rec.drafts for t in model.draft_terms(ks, c)])
 
     @staticmethod
@@ -88,17 +90,19 @@ class _Trace:
     def _seconds(self, arrays, e: Efficiency, per_forward: float, per_token: float) -> float:
         flops, bytes_, comm, tokens = arrays
         roof = np.maximum(flops / (self.peak_flops * e.flops), bytes_ / (self.bandwidth * e.bandwidth))
-        return float(roof.sum() + comm.sum() / e.link + len(flops) * (self.launch + per_forward) + per_token * tokens.sum())
+        return float(roof.sum() + comm.sum() / e.link + len(flops) * per_forward + per_token * tokens.sum())
 
     def tok_s(self, e: Efficiency) -> float:
-        seconds = self._seconds(self.steps, e, e.step_overhead, e.token_overhead) + self._seconds(self.drafts, e, e.draft_overhead, 0.0)
+        drafting = self.launch + e.draft_overhead if self.draft_host else 0.0
+        seconds = (self._seconds(self.steps, e, 0.0, e.token_overhead) + self.host_steps * (self.launch + e.step_overhead)
+                   + self._seconds(self.drafts, e, drafting, 0.0))
         return self.tokens / seconds
 
 
 def record(model: RooflineModel, point: MeasuredPoint, config: SweepConfig) -> _Trace:
     """Simulate one point once and keep its forwards for re-timing."""
     rec = _Recorder(model)
-    sim = Simulator(rec, point.mode, config.acceptance, config.scheduler,
+    sim = Simulator(rec, point.mode, config.acceptance, config.scheduler_for(point.mode),
                     config.blocks(point.concurrency, point.mode.max_k), config.block_size, config.seed)
     run = sim.run(config.workload(point.concurrency))
     return _Trace(model, point, sum(t.num_tokens for t in run.traces), rec)

@@ -33,8 +33,10 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: every GPU of the server)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"], help="weight dtype")
-    p.add_argument("--drafter", default="eagle3", choices=["eagle3", "none"],
-                   help="draft cost: an EAGLE-3 head of the target's width, or none (n-gram)")
+    p.add_argument("--drafter", default="eagle3", choices=["eagle3", "eagle3-sglang", "eagle3-sglang-overlap", "none"],
+                   help="draft cost: an EAGLE-3 head of the target's width run as tidal runs it, as SGLang does "
+                        "(an extend forward after the verify, then K draft forwards), or with SGLang's overlap "
+                        "schedule; or none (n-gram)")
     p.add_argument("--profile", default=None,
                    help="measured step times (CSV tokens,seqs,context,seconds or JSON) instead of the roofline")
     p.add_argument("--measured", default=None,
@@ -48,6 +50,9 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="requests per level, at least C (default: 4 x concurrency, at least 8)")
     p.add_argument("--concurrency", default="1,2,4,...,256", help="levels, e.g. 1,2,4,...,250")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--spec-max-running", type=int, default=None, metavar="N",
+                   help="cap the running batch of the speculative modes at N (SGLang's EAGLE default is 48 "
+                        "unless --max-running-requests is set)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks of 16 tokens (default: what fits beside the weights; with --profile: enough for all)")
@@ -61,6 +66,9 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='modes to compare: off, fixed:K, adaptive[:K], schedule:"1-4:4,5-:0"')
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="K of a bare fixed or adaptive")
     p.add_argument("--calibrate", action="store_true", help="fit the roofline's constants to --measured, then sweep")
+    p.add_argument("--explain", default=None, metavar="C[,C...]",
+                   help="instead of the sweep: one decode step at each concurrency split into its terms (weights, "
+                        "experts, attention, all-reduce, drafting, extend, overhead) for off and the fixed:K modes")
     p.add_argument("--json", default=None, help="write the records (and the model) to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG plot of tok/s vs concurrency")
     return p
@@ -87,7 +95,8 @@ def _sweep_config(args, max_k: int):
 
     return SweepConfig(parse_concurrency(args.concurrency), args.input_len, args.output_len, args.num_prompts,
                        AcceptanceModel.parse(args.acceptance),
-                       SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens), args.num_blocks, 16, args.seed)
+                       SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens), args.num_blocks, 16, args.seed,
+                       args.spec_max_running)
 
 
 def _step_model(args, config, calibrate: bool):
@@ -131,6 +140,17 @@ def run_sim(args) -> int:
     modes = parse_modes(args.speculation, args.num_speculative_tokens)
     config = _sweep_config(args, max(m.max_k for m in modes))
     model, config = _step_model(args, config, args.calibrate or bool(args.measured))
+    if args.explain:
+        from tidal.sim.explain import explain
+        from tidal.sim.roofline import RooflineModel
+
+        if not isinstance(model, RooflineModel):
+            raise ValueError("--explain splits the roofline's terms; a measured --profile has none")
+        ks = [0] + sorted({m.max_k for m in modes if m.mode == "fixed"} or {args.num_speculative_tokens})
+        for c in parse_concurrency(args.explain):
+            print("\nSIMULATED (not measured): " + explain(model, c, ks, config.acceptance.curve, args.input_len,
+                                                         args.output_len, args.spec_max_running))
+        return 0
     print(f"acceptance per position: {args.acceptance}; {args.input_len} in / {args.output_len} out; "
           f"closed loop, {config.num_prompts or '4 x C (>= 8)'} requests per level")
     records = sweep(model, modes, config, progress=_progress)

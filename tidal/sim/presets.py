@@ -53,8 +53,9 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
 class ModelSpec:
     """A decoder's shape: Llama-style attention, and a dense MLP or a mixture of experts.
 
-    For a MoE, `intermediate_size` is one expert's and every layer routes each token to
-    `experts_per_token` of `num_experts` experts.
+    For a MoE, `intermediate_size` is one expert's; after the first `dense_layers` layers (whose
+    MLP is dense, of `dense_intermediate_size`) every layer routes each token to
+    `experts_per_token` of `num_experts` experts and runs its `shared_experts` on every token.
     """
 
     name: str
@@ -67,6 +68,9 @@ class ModelSpec:
     vocab_size: int
     num_experts: int = 0  # 0: dense
     experts_per_token: int = 0
+    shared_experts: int = 0
+    dense_layers: int = 0  # a MoE's first layers with a dense MLP instead of experts
+    dense_intermediate_size: int = 0
     draft_vocab_size: int = 32000  # the EAGLE-3 head's reduced vocabulary
 
     @property
@@ -86,6 +90,21 @@ class ModelSpec:
         return 3 * self.hidden_size * self.intermediate_size
 
     @property
+    def draft_intermediate_size(self) -> int:
+        """The EAGLE-3 head's MLP width: the target's dense MLP's (an expert's if it has none)."""
+        return self.dense_intermediate_size or self.intermediate_size
+
+    def mlp_weights(self, routed: float) -> float:
+        """Parameters of every layer's MLP that a forward reads when each MoE layer reads
+        `routed` of its routed experts (a dense model: every MLP, whatever `routed`)."""
+        if not self.is_moe:
+            return self.num_layers * self.mlp_params
+        dense = self.dense_layers * 3 * self.hidden_size * self.dense_intermediate_size
+        moe = (self.num_layers - self.dense_layers) * ((routed + self.shared_experts) * self.mlp_params
+                                                       + self.router_params)
+        return dense + moe
+
+    @property
     def router_params(self) -> int:
         """The MoE router of one layer (0 for a dense model)."""
         return self.hidden_size * self.num_experts
@@ -98,25 +117,29 @@ class ModelSpec:
     @property
     def total_params(self) -> int:
         """Every weight, with input embedding and lm_head counted separately (untied)."""
-        mlp = self.mlp_params * max(1, self.num_experts) + self.router_params
-        return self.num_layers * (self.attention_params + mlp) + 2 * self.lm_head_params
+        return int(self.num_layers * self.attention_params + self.mlp_weights(self.num_experts) + 2 * self.lm_head_params)
 
     @property
     def active_params(self) -> int:
         """Weights one token multiplies by (no input embedding: that is a lookup)."""
-        mlp = self.mlp_params * max(1, self.experts_per_token) + self.router_params
-        return self.num_layers * (self.attention_params + mlp) + self.lm_head_params
+        return int(self.num_layers * self.attention_params + self.mlp_weights(self.experts_per_token) + self.lm_head_params)
 
     def kv_bytes_per_token(self, kv_bytes: int) -> int:
         """K and V of one token over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_bytes
 
 
-# Llama-3.1-8B/70B and Qwen3-30B-A3B: the config.json of each model's Hugging Face repository.
+# Llama-3.1-8B/70B, Qwen3-30B-A3B and GLM-4.6: the config.json of each model's Hugging Face
+# repository. GLM-4.6 (Glm4MoeForCausalLM, as GLM-4.5): 92 layers of hidden 5120, 96 query and 8
+# KV heads of 128; first_k_dense_replace 3 (intermediate_size 12288), then 160 routed experts of
+# moe_intermediate_size 1536, 8 per token, and 1 shared expert; vocab 151552; untied embeddings.
+# 353B parameters by this count (the card's 355B adds the multi-token-prediction layer), 33B active.
 MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec("llama-3.1-8b", 4096, 14336, 32, 32, 8, 128, 128256),
     ModelSpec("llama-3.1-70b", 8192, 28672, 80, 64, 8, 128, 128256),
     ModelSpec("qwen3-30b-a3b", 2048, 768, 48, 32, 4, 128, 151936, num_experts=128, experts_per_token=8),
+    ModelSpec("glm-4.6", 5120, 1536, 92, 96, 8, 128, 151552, num_experts=160, experts_per_token=8,
+              shared_experts=1, dense_layers=3, dense_intermediate_size=12288),
 )}
 
 

@@ -49,6 +49,9 @@ class Terms:
     tokens: int
 
 
+DRAFTERS = ("eagle3", "eagle3-sglang", "eagle3-sglang-overlap", "none")
+
+
 @dataclass
 class RooflineModel:
     """Step time from peak hardware numbers and the model's shape, tensor parallel over all GPUs.
@@ -67,7 +70,18 @@ class RooflineModel:
     The EAGLE-3 draft head is one decoder layer of the target's width whose q/k/v read the
     concatenated (embedding, feature) of width 2 * hidden, an fc fusing three target features
     (3 * hidden -> hidden, run over the catch-up tokens only) and an lm_head over the draft vocab;
-    each drafter forward is costed the same way, with `draft_overhead` in place of the step's.
+    each drafter forward is costed the same way (its own two all-reduces included), with
+    `draft_overhead` in place of the step's. How the head runs (`drafter`):
+        eagle3                 tidal's: the first forward runs over the positions verified since
+                               the last proposal and drafts from the last; K forwards in all
+        eagle3-sglang          SGLang's: after the verify, an extend forward over the verified
+                               positions; then K draft forwards over the batch: K + 1 in all.
+                               SGLang's overlap scheduler (host work of step n + 1 while the GPU
+                               runs step n) serves plain steps only: it is off while drafting,
+                               so a step verifying drafts pays its host work and a plain one not
+        eagle3-sglang-overlap  the same with SGLang's spec v2 schedule, which overlaps the host
+                               work of verify and draft forwards too: only GPU time counts; the
+                               GPU itself still runs head and target one after the other
     """
 
     hardware: Hardware
@@ -75,13 +89,13 @@ class RooflineModel:
     tp: int | None = None  # None: all GPUs of the server
     dtype: str = "bf16"  # weights: bf16 | fp8; KV and activations are bf16
     efficiency: Efficiency = field(default_factory=Efficiency)
-    drafter: str = "eagle3"  # eagle3 | none (a drafter with no GPU cost, e.g. n-gram)
+    drafter: str = "eagle3"  # one of DRAFTERS; none: a drafter with no GPU cost (n-gram)
 
     def __post_init__(self):
         if self.dtype not in ("bf16", "fp8"):
             raise ValueError(f"dtype {self.dtype!r} is not bf16 or fp8")
-        if self.drafter not in ("eagle3", "none"):
-            raise ValueError(f"drafter {self.drafter!r} is not eagle3 or none")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter {self.drafter!r} is not one of {', '.join(DRAFTERS)}")
         self.tp = self.tp or self.hardware.num_gpus
         if not 1 <= self.tp <= self.hardware.num_gpus:
             raise ValueError(f"tensor parallel size must be in 1..{self.hardware.num_gpus}")
@@ -110,20 +124,21 @@ class RooflineModel:
 
     def weight_bytes_read(self, tokens: int) -> float:
         """Weight bytes one GPU reads in a forward over `tokens` tokens."""
+        return sum(self.weight_parts(tokens))
+
+    def weight_parts(self, tokens: int) -> tuple[float, float]:
+        """Weight bytes one GPU reads over `tokens` tokens: (those every forward reads, the
+        routed experts the tokens touch: E * (1 - (1 - k/E)^T) per MoE layer)."""
         m = self.model
-        if m.is_moe:
-            experts = expected_distinct_experts(m.num_experts, m.experts_per_token, tokens)
-            mlp = experts * m.mlp_params + m.router_params
-        else:
-            mlp = m.mlp_params
-        params = m.num_layers * (m.attention_params + mlp) + m.lm_head_params
-        return params * self.weight_bytes / self.tp
+        experts = expected_distinct_experts(m.num_experts, m.experts_per_token, tokens) if m.is_moe else 0.0
+        always = m.num_layers * m.attention_params + m.mlp_weights(0.0) + m.lm_head_params
+        scale = self.weight_bytes / self.tp
+        return always * scale, (m.mlp_weights(experts) - m.mlp_weights(0.0)) * scale
 
     def linear_flops(self, tokens: int) -> float:
         """Matmul FLOPs of the layers (not the lm_head) over `tokens` tokens, on one GPU."""
         m = self.model
-        mlp = m.mlp_params * max(1, m.experts_per_token) + m.router_params
-        return 2.0 * tokens * m.num_layers * (m.attention_params + mlp) / self.tp
+        return 2.0 * tokens * (m.active_params - m.lm_head_params) / self.tp
 
     def allreduce_time(self, tokens: int, count: int) -> float:
         """`count` ring all-reduces of `tokens` hidden vectors in bf16."""
@@ -133,10 +148,28 @@ class RooflineModel:
         size = tokens * self.model.hidden_size * 2
         return count * (hw.link_latency + 2 * (self.tp - 1) / self.tp * size / hw.link_bandwidth)
 
-    def time(self, t: Terms, draft: bool = False) -> float:
+    @property
+    def draft_host_seconds(self) -> float:
+        """Host work of one drafter forward that the GPU waits for (0 when overlapped)."""
+        if self.drafter == "eagle3-sglang-overlap":
+            return 0.0
+        return self.hardware.launch_overhead + self.efficiency.draft_overhead
+
+    def pays_host(self, verifying: bool) -> bool:
+        """Whether a target step waits for its host work (launch, scheduling): not under an
+        overlap scheduler (see the class docstring)."""
+        if self.drafter == "eagle3-sglang-overlap":
+            return False
+        return self.drafter != "eagle3-sglang" or verifying
+
+    def time(self, t: Terms, draft: bool = False, verifying: bool = False) -> float:
         """max(compute, memory) + comm + overheads, with this model's efficiency."""
         e = self.efficiency
-        fixed = self.hardware.launch_overhead + (e.draft_overhead if draft else e.step_overhead + e.token_overhead * t.tokens)
+        if draft:
+            fixed = self.draft_host_seconds
+        else:
+            host = self.hardware.launch_overhead + e.step_overhead if self.pays_host(verifying) else 0.0
+            fixed = host + e.token_overhead * t.tokens
         return max(t.flops / (self.peak_flops * e.flops), t.bytes / (self.hardware.memory_bandwidth * e.bandwidth)) \
             + t.comm / e.link + fixed
 
@@ -144,7 +177,7 @@ class RooflineModel:
 
     def step_time(self, shape: StepShape) -> float:
         """Seconds for one target forward (see the class docstring for the formula)."""
-        return self.time(self.step_terms(shape))
+        return self.time(self.step_terms(shape), verifying=shape.draft_tokens > 0)
 
     def step_terms(self, shape: StepShape) -> Terms:
         """FLOPs, bytes and all-reduce seconds of one target forward, per GPU."""
@@ -160,7 +193,7 @@ class RooflineModel:
         """One EAGLE-3 head forward over `tokens` tokens; `fuse`: it also runs the fc over them."""
         m, h = self.model, self.model.hidden_size
         q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-        layer = 2 * h * (q + 2 * kv) + q * h + 3 * h * m.intermediate_size
+        layer = 2 * h * (q + 2 * kv) + q * h + 3 * h * m.draft_intermediate_size
         lm_head = h * m.draft_vocab_size
         params = layer + lm_head + (3 * h * h if fuse else 0)
         memory = params * self.weight_bytes / self.tp
@@ -169,12 +202,14 @@ class RooflineModel:
 
     def draft_terms(self, ks: list[int], catch_up: int) -> list[Terms]:
         """A proposal of ks[i] drafts per request: the first forward runs over the `catch_up`
-        verified positions (fusing their features), forward j >= 2 over the requests with k >= j.
-        No forwards for a drafter without GPU cost."""
+        verified positions (fusing their features); then forward j over the requests with
+        k >= j, from j = 2 for tidal's head (its first forward drafted), from j = 1 for
+        SGLang's (its first was the extend). No forwards for a drafter without GPU cost."""
         longest = max(ks, default=0)
         if not longest or self.drafter == "none":
             return []
-        later = [self.draft_forward_terms(sum(k >= j for k in ks), False) for j in range(2, longest + 1)]
+        first = 1 if self.drafter.startswith("eagle3-sglang") else 2
+        later = [self.draft_forward_terms(sum(k >= j for k in ks), False) for j in range(first, longest + 1)]
         return [self.draft_forward_terms(max(catch_up, 1), True)] + later
 
     def draft_time(self, ks: list[int], catch_up: int) -> float:

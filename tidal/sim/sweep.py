@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tidal.adaptive.cost import (DEFAULT_KNOTS, PROFILE_BATCH_SIZES, PROFILE_DRAFT_LENGTHS, PROFILE_MAX_TOKENS,
                                  PROFILE_PROMPT_LEN)
@@ -25,6 +25,13 @@ class SweepConfig:
     num_blocks: int | None = None  # None: enough for every request in flight
     block_size: int = 16
     seed: int = 0
+    spec_max_running: int | None = None  # the running-batch cap of speculative modes (SGLang's EAGLE default: 48)
+
+    def scheduler_for(self, mode: SpecMode) -> SchedulerConfig:
+        """The scheduler a mode runs with: `spec_max_running` caps the batch of one that drafts."""
+        if not (self.spec_max_running and mode.max_k):
+            return self.scheduler
+        return replace(self.scheduler, max_num_seqs=min(self.scheduler.max_num_seqs, self.spec_max_running))
 
     def workload(self, concurrency: int) -> Workload:
         # never fewer than C, as `tidal bench` does: 8 requests "at 16" would be a level of 8
@@ -42,7 +49,7 @@ class SweepConfig:
 def simulate(model: StepTimeModel, mode: SpecMode, concurrency: int, config: SweepConfig) -> BenchRecord:
     """One sweep point, from a fresh simulator (as a freshly started server would be); the
     policy's cost model gets the step model's knots where it has them (a measured profile)."""
-    sim = Simulator(model, mode, config.acceptance, config.scheduler, config.blocks(concurrency, mode.max_k),
+    sim = Simulator(model, mode, config.acceptance, config.scheduler_for(mode), config.blocks(concurrency, mode.max_k),
                     config.block_size, config.seed, getattr(model, "knots", DEFAULT_KNOTS))
     return make_record(mode.label, concurrency, sim.run(config.workload(concurrency)))
 
