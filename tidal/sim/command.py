@@ -51,7 +51,7 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,2,4,...,256", help="levels, e.g. 1,2,4,...,250")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--spec-max-running", type=int, default=None, metavar="N",
-                   help="cap the running batch of the speculative modes at N (SGLang's EAGLE default is 48 "
+                   help="cap the running batch of the fixed and schedule modes at N (SGLang's EAGLE default is 48 "
                         "unless --max-running-requests is set)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-blocks", type=int, default=None,

@@ -25,11 +25,13 @@ class SweepConfig:
     num_blocks: int | None = None  # None: enough for every request in flight
     block_size: int = 16
     seed: int = 0
-    spec_max_running: int | None = None  # the running-batch cap of speculative modes (SGLang's EAGLE default: 48)
+    spec_max_running: int | None = None  # the running-batch cap of fixed and scheduled K (SGLang's EAGLE default: 48)
 
     def scheduler_for(self, mode: SpecMode) -> SchedulerConfig:
-        """The scheduler a mode runs with: `spec_max_running` caps the batch of one that drafts."""
-        if not (self.spec_max_running and mode.max_k):
+        """The scheduler a mode runs with: `spec_max_running` caps the batch of a fixed or
+        scheduled K, what an engine that drafts for every request runs; adaptive is tidal's own
+        scheduler, which turns drafting off instead of capping the batch."""
+        if not (self.spec_max_running and mode.mode in ("fixed", "schedule")):
             return self.scheduler
         return replace(self.scheduler, max_num_seqs=min(self.scheduler.max_num_seqs, self.spec_max_running))
 
