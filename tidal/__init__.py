@@ -1,8 +1,7 @@
 """tidal: an LLM serving engine whose speculative decoding adapts to load."""
 
-__version__ = "0.1.0"
-
-from tidal.sampling_params import SamplingParams  # noqa: E402
+from tidal.sampling_params import SamplingParams
+from tidal.version import __version__
 
 
 def __getattr__(name):

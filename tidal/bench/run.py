@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
-from tidal import __version__
+from tidal.version import __version__
 from tidal.bench.sweep import SweepConfig, Target, sweep
 from tidal.sweeps import report
 from tidal.sweeps.records import BenchRecord

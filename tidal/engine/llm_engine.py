@@ -272,7 +272,7 @@ class LLMEngine(EngineCore):
 
     def _profile_identity(self) -> dict:
         """What the stored profile must have been measured under (see profile_cache)."""
-        from tidal import __version__
+        from tidal.version import __version__
 
         c, spec = self.config, self.config.spec
         head = (spec.draft_model or DEFAULT_EAGLE3_HEAD) if spec.method == "eagle3" else None

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import tidal
 from tidal.config import CacheConfig, ModelConfig
 from tidal.engine import profile_cache
 from tidal.engine.compiled_step import (COMPILED_MAX_TOKENS, GRAPHS, InductorStep, PackagedStep, StepGraph,
@@ -31,6 +30,7 @@ from tidal.models.llama import LlamaModel
 from tidal.sampling_params import SamplingParams
 from tidal.sequence import Sequence
 from tidal.speculative.verify import verify_greedy, verify_sampled
+from tidal.version import __version__
 
 # Sequences feeding at most this many tokens share one padded attention call (decode, verify);
 # longer prefill chunks get a call each so padding never multiplies a long chunk.
@@ -263,7 +263,7 @@ class ModelRunner:
         job = {"model": model, "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
                "threads": torch.get_num_threads(), "aux_layers": list(self.aux_layers), "block_size": self.block_size}
         key = profile_cache.digest({**job, "model": profile_cache.file_identity(model or loader.default_model_path()),
-                                    "source": _source_digest(), "tidal": tidal.__version__, "torch": torch.__version__,
+                                    "source": _source_digest(), "tidal": __version__, "torch": torch.__version__,
                                     "cpu": torch.backends.cpu.get_cpu_capability(), "max_tokens": COMPILED_MAX_TOKENS})
         self.compiled_key = key
         directory = profile_cache.cache_dir() / "compiled"
@@ -349,7 +349,7 @@ class ModelRunner:
 def _source_digest() -> str:
     """The source a compiled step is traced from (layers, models, the step), so that a package
     never outlives the code it was compiled from."""
-    root = Path(tidal.__file__).parent
+    root = Path(__file__).parents[1]  # the package
     files = sorted([*root.glob("layers/*.py"), *root.glob("models/*.py"), root / "engine" / "compiled_step.py"])
     h = hashlib.sha256()
     for f in files:

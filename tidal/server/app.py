@@ -18,7 +18,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tidal import __version__
+from tidal.version import __version__
 from tidal.engine.llm_engine import LLMEngine, RequestOutput
 from tidal.sampling_params import InvalidParameter, SamplingParams
 from tidal.server import protocol as p
