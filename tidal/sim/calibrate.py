@@ -78,7 +78,7 @@ class _Trace:
         self.point, self.tokens = point, tokens
         hw = model.hardware
         self.peak_flops, self.bandwidth, self.launch = model.peak_flops, hw.memory_bandwidth, hw.launch_overhead
-        self.draft_host = model.drafter != "eagle3-sglang-overlap"  # see RooflineModel.draft_host_seconds
+        self.draft_host = not model.overlaps_drafting  # see RooflineModel.draft_host_seconds
         self.steps = self._arrays([model.step_terms(s) for s in rec.steps])
         self.host_steps = sum(model.pays_host(s.draft_tokens > 0) for s in rec.steps)  # steps that wait for the host
         self.drafts = self._arrays([t for ks, c in rec.drafts for t in model.draft_terms(ks, c)])

@@ -149,16 +149,21 @@ class RooflineModel:
         return count * (hw.link_latency + 2 * (self.tp - 1) / self.tp * size / hw.link_bandwidth)
 
     @property
+    def overlaps_drafting(self) -> bool:
+        """Whether the host work of verify and draft forwards runs under the GPU's (spec v2)."""
+        return self.drafter == "eagle3-sglang-overlap"
+
+    @property
     def draft_host_seconds(self) -> float:
         """Host work of one drafter forward that the GPU waits for (0 when overlapped)."""
-        if self.drafter == "eagle3-sglang-overlap":
+        if self.overlaps_drafting:
             return 0.0
         return self.hardware.launch_overhead + self.efficiency.draft_overhead
 
     def pays_host(self, verifying: bool) -> bool:
         """Whether a target step waits for its host work (launch, scheduling): not under an
         overlap scheduler (see the class docstring)."""
-        if self.drafter == "eagle3-sglang-overlap":
+        if self.overlaps_drafting:
             return False
         return self.drafter != "eagle3-sglang" or verifying
 
