@@ -2,12 +2,15 @@
 next to a roofline estimate.
 
     python benchmarks/throughput.py [--dtypes float32,bfloat16] [--output-tokens 64] [--steps-only] [--enforce-eager]
+                                    [--vs-eager]
 
 Prints, per dtype: output tok/s at 1 request (requests one after another) and at N concurrent
 requests (transformers with static batching: one left-padded batch), with the ratio, the two
 engines taking turns request by request (batch by batch); then
 tidal's median decode step time at batch 1, 8, 32, 128 beside max(bytes / bandwidth,
-FLOPs / matmul rate) measured on this machine in the same run.
+FLOPs / matmul rate) measured on this machine in the same run. `--vs-eager`: each step size also
+with the compiled steps off in the same engine (the two taking turns, three times), which is
+what a step larger than the compiled graphs cover costs.
 """
 
 from __future__ import annotations
@@ -90,6 +93,20 @@ def decode_step_ms(llm, batch, ctx=64, steps=24):
     return statistics.median(times[1:]) * 1e3
 
 
+def compiled_and_eager_step_ms(llm, batch, turns=3) -> tuple[float, float]:
+    """Median decode step ms with the engine's compiled steps and with them off, taking turns."""
+    runner = llm.engine.runner
+    compiled, times = runner.compiled, {True: [], False: []}
+    try:
+        for _ in range(turns):
+            for on in (True, False):
+                runner.compiled = compiled if on else None
+                times[on].append(decode_step_ms(llm, batch))
+    finally:
+        runner.compiled = compiled
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
 def machine_rates(dtype):
     """Memory bandwidth (copy of a 512 MiB tensor, read + write) and dense matmul FLOP/s."""
     a = torch.ones(128 << 20, dtype=torch.float32)
@@ -161,6 +178,7 @@ def main():
     ap.add_argument("--step-batches", default="1,8,32,128")
     ap.add_argument("--steps-only", action="store_true", help="only the decode steps and roofline, no transformers")
     ap.add_argument("--enforce-eager", action="store_true", help="tidal without compiled small steps")
+    ap.add_argument("--vs-eager", action="store_true", help="each step size also with the compiled steps off")
     args = ap.parse_args()
     texts = chat_prompts()
     n = args.output_tokens
@@ -188,8 +206,8 @@ def main():
         bw, flops = machine_rates(dtype)
         print(f"  measured {name}: copy bandwidth {bw / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s")
         for b in map(int, args.step_batches.split(",")):
-            ms = decode_step_ms(llm, b)
-            steps.append((TIDAL[name], b, ms, *roofline_ms(llm.engine, b, 64 + 12, bw, flops)))
+            ms, eager = compiled_and_eager_step_ms(llm, b) if args.vs_eager else (decode_step_ms(llm, b), None)
+            steps.append((TIDAL[name], b, ms, eager, *roofline_ms(llm.engine, b, 64 + 12, bw, flops)))
             if b == 1:
                 read, one_core = step_bytes(llm.engine, 1, 64 + 12), single_core_read_bandwidth()
                 roof_lines.append(f"{TIDAL[name]}, one request: {read / 1e6:.1f} MB read a token; in a "
@@ -199,10 +217,13 @@ def main():
     print("\n" + "\n".join(roof_lines))
     if rates:
         print_rates(rates, args.concurrency)
-    print("\n| engine | batch | decode step ms (median) | roofline ms | bound | roofline / measured |")
-    print("|---|---|---|---|---|---|")
-    for label, b, ms, roof, bound in steps:
-        print(f"| {label} | {b} | {ms:.1f} | {roof:.1f} | {bound} | {roof / ms:.0%} |")
+    eager_cols = args.vs_eager
+    print("\n| engine | batch | decode step ms (median) | " + ("eager ms | eager / compiled | " if eager_cols else "")
+          + "roofline ms | bound | roofline / measured |")
+    print("|---" * (6 + 2 * eager_cols) + "|")
+    for label, b, ms, eager, roof, bound in steps:
+        print(f"| {label} | {b} | {ms:.1f} | " + (f"{eager:.1f} | {eager / ms:.2f}x | " if eager_cols else "")
+              + f"{roof:.1f} | {bound} | {roof / ms:.0%} |")
 
 
 def print_rates(rates: dict[tuple[str, int], float], concurrency: int) -> None:

@@ -46,10 +46,10 @@ def assert_matches_eager(tiny_model_dir, llm: LLM) -> None:
 
 def test_a_first_start_serves_while_the_larger_steps_compile(tiny_model_dir, compiled):
     runner = compiled.engine.runner  # the module's first start: this test session's cache is empty
-    assert set(runner.compiled.graphs) == {"one"} and set(runner.compiling) == {"few", "many"}
+    assert set(runner.compiled.graphs) == {"one"} and set(runner.compiling) == {"few", "many", "wide"}
     assert_matches_eager(tiny_model_dir, compiled)  # their steps eager until the packages land
     assert runner.land_compiled(wait=True)
-    assert set(runner.compiled.graphs) == {"one", "few", "many"} and not runner.compiling
+    assert set(runner.compiled.graphs) == {"one", "few", "many", "wide"} and not runner.compiling
     assert_matches_eager(tiny_model_dir, compiled)
 
 
@@ -61,14 +61,14 @@ def test_packaged_steps_match_eager_greedy_on_the_tiny_model(tiny_model_dir, com
     for g, run in list(step.graphs.items()):
         monkeypatch.setitem(step.graphs, g, lambda *a, g=g, run=run: (calls.__setitem__(g, calls[g] + 1), run(*a))[1])
     assert_matches_eager(tiny_model_dir, compiled)
-    assert all(calls.values()) and len(calls) == 3
+    assert all(calls.values()) and len(calls) == 4
 
 
 def test_a_second_start_loads_the_packages_and_other_threads_compile_anew(tiny_model_dir, compiled, monkeypatch):
     jobs = []
     monkeypatch.setattr(model_runner, "_run_workers", lambda js: (jobs.extend(js), model_runner._run_workers(js))[1])
     # waits on the set-up's lock while the first start's workers still compile, then loads all
-    assert set(tiny(tiny_model_dir).engine.runner.compiled.graphs) == {"one", "few", "many"}
+    assert set(tiny(tiny_model_dir).engine.runner.compiled.graphs) == {"one", "few", "many", "wide"}
     assert jobs == []
     threads = torch.get_num_threads()
     monkeypatch.setattr(model_runner, "_run_workers", lambda js: jobs.extend(js))  # records, builds nothing
@@ -78,7 +78,7 @@ def test_a_second_start_loads_the_packages_and_other_threads_compile_anew(tiny_m
         tiny(tiny_model_dir)
     finally:
         torch.set_num_threads(threads)
-    assert sorted(j["graph"] for j in jobs) == ["few", "many", "one"] and {j["threads"] for j in jobs} == {threads + 1}
+    assert sorted(j["graph"] for j in jobs) == ["few", "many", "one", "wide"] and {j["threads"] for j in jobs} == {threads + 1}
 
 
 def test_packages_of_set_ups_unused_for_a_week_are_pruned(tmp_path):
@@ -126,3 +126,20 @@ def test_compiled_steps_match_eager_greedy_on_the_bundled_model():
     for n in (1, 3):
         assert ([o.token_ids for o in compiled.generate(prompts[:n], params)]
                 == [o.token_ids for o in eager.generate(prompts[:n], params)])
+
+
+def test_a_step_runs_compiled_unless_padding_one_group_would_waste_more_than_eager_costs():
+    from tidal.engine.scheduler import ScheduledSeq
+    from tidal.sequence import Sequence
+
+    def scheduled(computed, new, drafts=0):
+        seq = Sequence(f"s{computed}-{new}", list(range(1, computed + new + 1)), SamplingParams())
+        seq.num_computed_tokens = computed
+        return ScheduledSeq(seq, new, drafts)
+
+    decodes = [scheduled(300, 1) for _ in range(31)]
+    verify = decodes + [scheduled(300, 5, drafts=4)]  # one request verifying 4 drafts pads 31 to 5 queries
+    assert model_runner.padding_waste(verify, 36) == (32 * 5 - 36) * 305 <= model_runner.COMPILED_PAD_WASTE
+    prefill = decodes[:30] + [scheduled(0, 24)]  # a prompt's chunk pads 30 decodes to 24 queries
+    assert model_runner.padding_waste(prefill, 54) > model_runner.COMPILED_PAD_WASTE
+    assert model_runner.padding_waste(decodes[:1], 1) == 0

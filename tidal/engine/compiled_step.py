@@ -1,11 +1,12 @@
 """Small decode/verify steps compiled once and replayed.
 
-Three graphs serve every step of at most COMPILED_MAX_TOKENS tokens over the paged, ragged batch:
-one token; 2..INT4_ROW_TILE tokens; and up to COMPILED_MAX_TOKENS, every size but the first
-graph's dynamic (tokens, sequences, queries, keys, sampled rows, cache slots). All take the step
-as one padded attention group. The token ranges are split where the best 4-bit GEMM changes:
-inductor tunes each graph's kernels at its example size, and its AMX kernel, the fastest from 5
-rows, costs as much at 2 rows as at 8, twice the vector kernel's cost there.
+Four graphs serve every step of at most COMPILED_MAX_TOKENS tokens over the paged, ragged batch:
+one token; 2..INT4_ROW_TILE tokens; up to INT4_MAX_TOKENS; and up to COMPILED_MAX_TOKENS, every
+size but the first graph's dynamic (tokens, sequences, queries, keys, sampled rows, cache slots).
+All take the step as one padded attention group. The token ranges are split where the best GEMM
+changes: inductor tunes each graph's kernels at its example size; its 4-bit AMX kernel, the
+fastest from 5 rows, costs as much at 2 rows as at 8, twice the vector kernel's cost there; past
+INT4_MAX_TOKENS the dense weights win.
 - CPU: each graph is exported and compiled by AOTInductor into a package on disk, weights frozen
   into it (so inductor uses its own low-bit GEMM kernels); a later start loads the packages in
   about a second instead of compiling for a minute.
@@ -24,11 +25,13 @@ from torch import nn
 from tidal.layers.attention import AttentionGroup, AttentionMetadata
 from tidal.layers.linear import INT4_MAX_TOKENS, INT4_ROW_TILE
 
-# Steps of at most this many tokens (decode and verify at small batch sizes, where a step is many
-# small ops) run compiled; longer ones (prefill chunks, large batches) run eager.
-COMPILED_MAX_TOKENS = INT4_MAX_TOKENS
+# Steps of at most this many tokens (decode and verify up to this batch size, where eager pays a
+# fixed cost of many small ops per step) run compiled; longer ones (prefill chunks, large batches)
+# run eager, where that cost is small beside the step's work.
+COMPILED_MAX_TOKENS = 64
 # each graph's token counts
-GRAPHS = {"one": (1, 1), "few": (2, INT4_ROW_TILE), "many": (INT4_ROW_TILE + 1, COMPILED_MAX_TOKENS)}
+GRAPHS = {"one": (1, 1), "few": (2, INT4_ROW_TILE), "many": (INT4_ROW_TILE + 1, INT4_MAX_TOKENS),
+          "wide": (INT4_MAX_TOKENS + 1, COMPILED_MAX_TOKENS)}
 
 # freezing: weights become constants, which is what lets inductor pick its low-bit GEMM templates;
 # weight_prepack lets it lay the dense ones (the output head past one row) out for its own GEMM

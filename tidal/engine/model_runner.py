@@ -40,6 +40,10 @@ SHORT_QUERY_LEN = 16
 # would reach this many query rows; below it a second call's fixed cost wins (timings: the
 # commit that set it).
 SPLIT_PAD_ROWS = 8
+# A compiled step pads every sequence to the longest one's queries (one attention group). Past
+# this many padded (query row, key) pairs that waste costs more than the eager step's fixed cost
+# (a prefill chunk beside many decodes), so the step runs eager (timings: the commit that set it).
+COMPILED_PAD_WASTE = 1 << 16
 
 log = logging.getLogger("tidal.engine")
 
@@ -185,7 +189,8 @@ class ModelRunner:
                 rows.extend(range(end - s.num_draft_tokens, end + 1))
                 sampling.append(s)
         num_tokens = int(ends[-1]) + 1
-        compiled = self.compiled is not None and 0 < len(rows) and self.compiled.covers(num_tokens)
+        compiled = (self.compiled is not None and 0 < len(rows) and self.compiled.covers(num_tokens)
+                    and padding_waste(scheduled, num_tokens) <= COMPILED_PAD_WASTE)
         input_ids, positions, meta = self.prepare(scheduled, compiled)
         if compiled:
             logits, aux = self._run_compiled(input_ids, positions, meta, rows)
@@ -229,6 +234,13 @@ class ModelRunner:
                             ([(seq, 3, 3), (other, 0, 2)], [1, 2, 4])):
             ids = torch.ones(sum(n for *_, n in spans), dtype=torch.long, device=self.device)
             steps[graph_of(len(ids))] = (ids, *self.metadata(spans, compiled=True), rows)
+        # the widest graph's: eight requests verifying one draft each
+        spans = [(Sequence(f"warm-up-{i + 3}", list(range(1, 8)), SamplingParams(max_tokens=1)), 5, 2)
+                 for i in range(8)]
+        for s, *_ in spans:
+            s.block_table = seq.block_table
+        ids = torch.ones(16, dtype=torch.long, device=self.device)
+        steps[graph_of(len(ids))] = (ids, *self.metadata(spans, compiled=True), list(range(len(ids))))
         return steps
 
     def warm_up(self, model: str | None = None, background: bool = False) -> None:
@@ -341,6 +353,16 @@ class ModelRunner:
             seed = seq.params.seed if seq.params.seed is not None else int(self._rng.integers(2**63))
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         return seq.generator
+
+
+def padding_waste(scheduled: list[ScheduledSeq], num_tokens: int) -> int:
+    """The (query row, key) pairs that padding adds when the step is one attention group, every
+    sequence padded to the most queries and keys of any (and to at least two sequences)."""
+    if num_tokens == 1:
+        return 0
+    queries = max(s.num_new_tokens for s in scheduled)
+    keys = max(s.seq.num_computed_tokens + s.num_new_tokens for s in scheduled)
+    return (max(2, len(scheduled)) * queries - num_tokens) * keys
 
 
 # ------------------------------------------------------------ compiled packages
