@@ -28,7 +28,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "this set-up or measures and stores it, if-cached never measures (default: "
                         "auto for serve, if-cached for generate)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="run every step eagerly; by default decode and verify steps of up to 8 tokens run "
+                   help="run every step eagerly; by default decode and verify steps of up to 64 tokens run "
                         "compiled (the first start with a model, dtype and thread count compiles: the one-token "
                         "step before it is ready, about a minute, the others while it serves; later starts load "
                         "them from the cache in about a second)")
