@@ -151,7 +151,9 @@ def step_bytes(engine, batch, ctx) -> int:
             q = layer.int4.get(name)
             total += nbytes(q.packed, q.scales_zeros) if q and batch <= INT4_MAX_TOKENS else nbytes(getattr(layer, name))
     head = model.int8_head
-    total += nbytes(head.codes, head.scales) if head and batch <= INT8_MAX_TOKENS else nbytes(model.unembedding)
+    compiled = engine.runner.compiled is not None and engine.runner.compiled.covers(batch)
+    int8 = head and (batch <= INT8_MAX_TOKENS or compiled)  # compiled steps read the int8 head at every size
+    total += nbytes(head.codes, head.scales) if int8 else nbytes(model.unembedding)
     return total + batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
 
 

@@ -34,11 +34,12 @@ def frames() -> int:
 
 
 def assert_matches_eager(tiny_model_dir, llm: LLM) -> None:
-    """Plain decode at 1..6 requests and n-gram verification (drafts of 1..4 tokens beside plain
-    decoding, padded in one group)."""
+    """Plain decode at 1..17 requests and n-gram verification (drafts of 1..3 tokens beside plain
+    decoding, padded in one group): steps of every graph, 64 tokens (16 requests verifying 3
+    drafts) and past it (eager)."""
     eager = tiny(tiny_model_dir, enforce_eager=True)
-    prompts = repetitive_prompts(6)
-    for n in (1, 2, 6):
+    prompts = repetitive_prompts(17)
+    for n in (1, 2, 6, 16, 17):
         want = eager.generate(prompts[:n], [REPEAT] * n)
         got = llm.generate(prompts[:n], [REPEAT] * n)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -107,12 +108,12 @@ def test_a_failed_compile_leaves_the_engine_eager(tiny_model_dir, monkeypatch, c
 
 
 def test_inductor_steps_match_eager_and_never_recompile(tiny_model_dir, monkeypatch):
-    """The CUDA mechanism (torch.compile, two graphs captured at start-up), run on the CPU."""
+    """The CUDA mechanism (torch.compile, the graphs it covers captured at start-up), run on the CPU."""
     monkeypatch.setattr(model_runner, "PACKAGED_DEVICES", ())
     llm = tiny(tiny_model_dir)
     assert isinstance(llm.engine.runner.compiled, InductorStep)
     after_warm_up = frames()
-    assert after_warm_up >= 2  # the two graphs
+    assert after_warm_up >= 2  # one token, and the dynamic graph of more
     assert_matches_eager(tiny_model_dir, llm)
     assert frames() == after_warm_up
 
@@ -128,7 +129,7 @@ def test_compiled_steps_match_eager_greedy_on_the_bundled_model():
                 == [o.token_ids for o in eager.generate(prompts[:n], params)])
 
 
-def test_a_step_runs_compiled_unless_padding_one_group_would_waste_more_than_eager_costs():
+def test_a_step_runs_compiled_unless_padding_one_group_would_cost_more_than_eager():
     from tidal.engine.scheduler import ScheduledSeq
     from tidal.sequence import Sequence
 
@@ -139,7 +140,7 @@ def test_a_step_runs_compiled_unless_padding_one_group_would_waste_more_than_eag
 
     decodes = [scheduled(300, 1) for _ in range(31)]
     verify = decodes + [scheduled(300, 5, drafts=4)]  # one request verifying 4 drafts pads 31 to 5 queries
-    assert model_runner.padding_waste(verify, 36) == (32 * 5 - 36) * 305 <= model_runner.COMPILED_PAD_WASTE
+    assert model_runner.padding_rows(verify, 36) == 32 * 5 - 36 <= model_runner.COMPILED_PAD_ROWS
     prefill = decodes[:30] + [scheduled(0, 24)]  # a prompt's chunk pads 30 decodes to 24 queries
-    assert model_runner.padding_waste(prefill, 54) > model_runner.COMPILED_PAD_WASTE
-    assert model_runner.padding_waste(decodes[:1], 1) == 0
+    assert model_runner.padding_rows(prefill, 54) > model_runner.COMPILED_PAD_ROWS
+    assert model_runner.padding_rows(decodes, 31) == model_runner.padding_rows(decodes[:1], 1) == 0

@@ -34,7 +34,7 @@ GRAPHS = {"one": (1, 1), "few": (2, INT4_ROW_TILE), "many": (INT4_ROW_TILE + 1, 
           "wide": (INT4_MAX_TOKENS + 1, COMPILED_MAX_TOKENS)}
 
 # freezing: weights become constants, which is what lets inductor pick its low-bit GEMM templates;
-# weight_prepack lets it lay the dense ones (the output head past one row) out for its own GEMM
+# weight_prepack lets it lay the dense ones (the widest graph's projections) out for its own GEMM
 # templates too, where unpacked they are re-laid out on every call (see linear.PackedWeight)
 PACKAGE_CONFIG = {"freezing": True, "max_autotune": True, "cpp.weight_prepack": True}
 
@@ -143,7 +143,10 @@ def _step_logits(model, input_ids, positions, kv_caches, meta, rows, aux_layers)
 class InductorStep:
     """torch.compile of the step, mode max-autotune (CUDA graphs, one per shape met). `capture`
     at warm-up marks the sizes that vary between steps as dynamic, so that nothing recompiles
-    while serving."""
+    while serving. It covers steps of up to MAX_TOKENS: wider ones (more shapes to record)
+    have not been measured on a GPU."""
+
+    MAX_TOKENS = INT4_MAX_TOKENS
 
     def __init__(self, model: nn.Module, kv_caches: list[tuple], aux_layers: tuple[int, ...], device: torch.device):
         from tidal.engine.profile_cache import cache_dir
@@ -154,7 +157,7 @@ class InductorStep:
         self.model, self.kv_caches, self.aux_layers = model, kv_caches, aux_layers
 
     def covers(self, num_tokens: int) -> bool:
-        return num_tokens <= COMPILED_MAX_TOKENS
+        return num_tokens <= self.MAX_TOKENS
 
     def __call__(self, input_ids, positions, meta: AttentionMetadata, rows, capture: bool = False):
         if capture:

@@ -41,9 +41,10 @@ SHORT_QUERY_LEN = 16
 # commit that set it).
 SPLIT_PAD_ROWS = 8
 # A compiled step pads every sequence to the longest one's queries (one attention group). Past
-# this many padded (query row, key) pairs that waste costs more than the eager step's fixed cost
-# (a prefill chunk beside many decodes), so the step runs eager (timings: the commit that set it).
-COMPILED_PAD_WASTE = 1 << 16
+# this many padded query rows that costs more than the eager step's fixed cost (a prompt's chunk
+# beside many decodes), so the step runs eager; verify steps stay under it (timings: the commit
+# that set it).
+COMPILED_PAD_ROWS = 192
 
 log = logging.getLogger("tidal.engine")
 
@@ -190,7 +191,7 @@ class ModelRunner:
                 sampling.append(s)
         num_tokens = int(ends[-1]) + 1
         compiled = (self.compiled is not None and 0 < len(rows) and self.compiled.covers(num_tokens)
-                    and padding_waste(scheduled, num_tokens) <= COMPILED_PAD_WASTE)
+                    and padding_rows(scheduled, num_tokens) <= COMPILED_PAD_ROWS)
         input_ids, positions, meta = self.prepare(scheduled, compiled)
         if compiled:
             logits, aux = self._run_compiled(input_ids, positions, meta, rows)
@@ -267,7 +268,8 @@ class ModelRunner:
         self.compiled = InductorStep(self.model, self.kv_caches, self.aux_layers, self.device)
         with fx_config.patch(use_duck_shape=False):
             for ids, positions, meta, rows in self.example_steps().values():
-                self._run_compiled(ids, positions, meta, rows, capture=True)
+                if self.compiled.covers(len(ids)):
+                    self._run_compiled(ids, positions, meta, rows, capture=True)
 
     def _packages(self, model: str | None, background: bool) -> dict[str, Path]:
         """The graphs' packages, compiled now (in parallel processes) where the cache lacks them;
@@ -355,14 +357,14 @@ class ModelRunner:
         return seq.generator
 
 
-def padding_waste(scheduled: list[ScheduledSeq], num_tokens: int) -> int:
-    """The (query row, key) pairs that padding adds when the step is one attention group, every
-    sequence padded to the most queries and keys of any (and to at least two sequences)."""
+def padding_rows(scheduled: list[ScheduledSeq], num_tokens: int) -> int:
+    """The query rows padding adds when the step is one attention group: every sequence padded
+    to the most queries of any, and to at least two sequences. Not counted: the second query
+    that metadata() gives every sequence of a step of one-token sequences (a compiled decode
+    step of 64 such at 2000 tokens of context still beat eager)."""
     if num_tokens == 1:
         return 0
-    queries = max(s.num_new_tokens for s in scheduled)
-    keys = max(s.seq.num_computed_tokens + s.num_new_tokens for s in scheduled)
-    return (max(2, len(scheduled)) * queries - num_tokens) * keys
+    return max(2, len(scheduled)) * max(s.num_new_tokens for s in scheduled) - num_tokens
 
 
 # ------------------------------------------------------------ compiled packages

@@ -6,7 +6,8 @@ seqs) from its `drafts` column; optional further rows may be draft points, see b
 JSON: {"steps": [[tokens, seqs, context, seconds(, verifying)], ...],
 "drafts": [[forwards, tokens, catch_up, seconds], ...], "knots": [1, 2, 4, ...]} (knots: the
 token counts where the step time may bend, default StepCostModel's; the engine adds 5, 8 and 9
-on CPUs with the int4 kernel, and the simulated policy's cost model uses them too). A CSV row
+on CPUs with the int4 kernel and 65 past its compiled steps, and the simulated policy's cost
+model uses them too). A CSV row
 whose `kind` column ends in "draft" reads its columns as forwards, tokens, catch_up, seconds; a leading
 comment `# knots=1,2,4,...` sets the knots. The engine's `--step-log` file is such a CSV
 (tidal.engine.step_log): its rows of kind "profile" / "profile-draft" (the start-up profile) are
