@@ -48,6 +48,7 @@ def assert_matches_eager(tiny_model_dir, llm: LLM) -> None:
 def test_a_first_start_serves_while_the_larger_steps_compile(tiny_model_dir, compiled):
     runner = compiled.engine.runner  # the module's first start: this test session's cache is empty
     assert set(runner.compiled.graphs) == {"one"} and set(runner.compiling) == {"few", "many", "wide"}
+    assert {PackagedStep.MAX_TOKENS, PackagedStep.MAX_TOKENS + 1} <= set(compiled.engine.step_cost.knots)
     assert_matches_eager(tiny_model_dir, compiled)  # their steps eager until the packages land
     assert runner.land_compiled(wait=True)
     assert set(runner.compiled.graphs) == {"one", "few", "many", "wide"} and not runner.compiling
@@ -112,6 +113,7 @@ def test_inductor_steps_match_eager_and_never_recompile(tiny_model_dir, monkeypa
     monkeypatch.setattr(model_runner, "PACKAGED_DEVICES", ())
     llm = tiny(tiny_model_dir)
     assert isinstance(llm.engine.runner.compiled, InductorStep)
+    assert {InductorStep.MAX_TOKENS, InductorStep.MAX_TOKENS + 1} <= set(llm.engine.step_cost.knots)
     after_warm_up = frames()
     assert after_warm_up >= 2  # one token, and the dynamic graph of more
     assert_matches_eager(tiny_model_dir, llm)

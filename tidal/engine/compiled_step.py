@@ -114,6 +114,8 @@ def probe_cpu_isa() -> None:
 class PackagedStep:
     """The graphs, loaded from their packages (those still compiling added as they land)."""
 
+    MAX_TOKENS = COMPILED_MAX_TOKENS
+
     def __init__(self, paths: dict[str, Path], kv_caches: list[tuple]):
         if _isa_probe is not None:
             _isa_probe.join()  # one probe, not two racing
@@ -128,7 +130,7 @@ class PackagedStep:
         self.graphs[graph] = aoti_load_package(str(path))
 
     def covers(self, num_tokens: int) -> bool:
-        return num_tokens <= COMPILED_MAX_TOKENS and graph_of(num_tokens) in self.graphs
+        return num_tokens <= self.MAX_TOKENS and graph_of(num_tokens) in self.graphs
 
     def __call__(self, input_ids, positions, meta: AttentionMetadata, rows) -> tuple[torch.Tensor, list]:
         logits, *aux = self.graphs[graph_of(len(input_ids))](*flat_args(input_ids, positions, meta, rows, self.kv))

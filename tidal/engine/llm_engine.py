@@ -16,7 +16,7 @@ from tidal.adaptive.policy import SpecPolicy, parse_schedule
 from tidal.config import EngineConfig, SpecConfig
 from tidal.engine import profile_cache
 from tidal.engine.block_manager import BlockManager
-from tidal.engine.compiled_step import COMPILED_MAX_TOKENS, probe_cpu_isa
+from tidal.engine.compiled_step import probe_cpu_isa
 from tidal.engine.core import EngineCore
 from tidal.engine.model_runner import PACKAGED_DEVICES, ModelRunner
 from tidal.engine.scheduler import Scheduler
@@ -137,10 +137,11 @@ class LLMEngine(EngineCore):
         int4 = any(layer.int4 for layer in model.layers)
         # the step's cost jumps where a kernel or the compiled graph changes
         int4_knots = (INT4_ROW_TILE, INT4_ROW_TILE + 1, INT4_MAX_TOKENS, INT4_MAX_TOKENS + 1)
-        compiled_knots = (COMPILED_MAX_TOKENS, COMPILED_MAX_TOKENS + 1)
+        compiled = self.runner.compiled
+        compiled_knots = (compiled.MAX_TOKENS, compiled.MAX_TOKENS + 1) if compiled is not None else ()
         super().__init__(self.scheduler, self.runner, self.drafter,
                          self._make_policy() if self.drafter is not None else None, time.perf_counter,
-                         DEFAULT_KNOTS + (int4_knots if int4 else ()) + (() if config.enforce_eager else compiled_knots))
+                         DEFAULT_KNOTS + (int4_knots if int4 else ()) + compiled_knots)
         self.step_log = StepLog(config.step_log, tuple(self.step_cost.knots)) if config.step_log else None
         self._profile_rows: dict[str, list] | None = None  # while profiling: what it measured
         if self.policy is not None and self.policy.mode == "adaptive" and config.startup_profile != "off":
