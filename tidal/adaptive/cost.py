@@ -5,8 +5,8 @@ Target step (prefill chunks, decode tokens and draft tokens to verify, one forwa
 where f is piecewise linear over knots in the token count. A straight line in tokens would miss
 what matters on real hardware: a step is nearly flat while weights dominate (memory bound) and
 grows once compute does, and a kernel switch makes a jump (tidal's CPU int4 path ends at
-INT4_MAX_TOKENS = 8 tokens, so the engine adds knots at 8 and 9, and at 5 where its cost jumps;
-compiled steps end at COMPILED_MAX_TOKENS, another pair of knots).
+INT4_MAX_TOKENS = 8 tokens, so the engine adds knots at 8 and 9, and at 5 where its cost jumps,
+and a pair where its compiled steps end, their MAX_TOKENS).
 
 Draft phase (one proposal for the batch):
     time = e0 + e1 * head forwards + e2 * draft tokens + e3 * catch-up tokens,  all e >= 0

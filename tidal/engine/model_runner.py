@@ -229,19 +229,15 @@ class ModelRunner:
         graph's kernels are tuned at its example's sizes."""
         seq = Sequence("warm-up", list(range(1, 8)), SamplingParams(max_tokens=1))
         other = Sequence("warm-up-2", [1, 2], SamplingParams(max_tokens=1))
-        seq.block_table = other.block_table = list(range(-(-8 // self.block_size)))
+        # the widest graph's: eight requests verifying one draft each
+        wide = [Sequence(f"warm-up-{i + 3}", list(range(1, 8)), SamplingParams(max_tokens=1)) for i in range(8)]
+        for s in (seq, other, *wide):
+            s.block_table = list(range(-(-8 // self.block_size)))
         steps = {}
         for spans, rows in (([(seq, 6, 1)], [0]), ([(seq, 3, 3), (other, 0, 1)], [1, 2, 3]),
-                            ([(seq, 3, 3), (other, 0, 2)], [1, 2, 4])):
+                            ([(seq, 3, 3), (other, 0, 2)], [1, 2, 4]), ([(s, 5, 2) for s in wide], list(range(16)))):
             ids = torch.ones(sum(n for *_, n in spans), dtype=torch.long, device=self.device)
             steps[graph_of(len(ids))] = (ids, *self.metadata(spans, compiled=True), rows)
-        # the widest graph's: eight requests verifying one draft each
-        spans = [(Sequence(f"warm-up-{i + 3}", list(range(1, 8)), SamplingParams(max_tokens=1)), 5, 2)
-                 for i in range(8)]
-        for s, *_ in spans:
-            s.block_table = seq.block_table
-        ids = torch.ones(16, dtype=torch.long, device=self.device)
-        steps[graph_of(len(ids))] = (ids, *self.metadata(spans, compiled=True), list(range(len(ids))))
         return steps
 
     def warm_up(self, model: str | None = None, background: bool = False) -> None:
