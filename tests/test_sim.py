@@ -43,7 +43,8 @@ def test_roofline_compute_bound_and_tensor_parallel_terms():
     assert one.step_time(big) == pytest.approx(flops / 989e12 + 1e-3, rel=1e-9)  # compute bound
     eight = RooflineModel(HARDWARE["h100x8"], MODELS["llama-3.1-8b"], efficiency=IDEAL)
     decode = StepShape(tokens=1, seqs=1, context=0, logits=1, attention_pairs=1)
-    comm = 64 * (10e-6 + 2 * 7 / 8 * 4096 * 2 / 450e9)  # 2 ring all-reduces per layer
+    comm = 65 * (10e-6 + 2 * 7 / 8 * 4096 * 2 / 450e9)  # ring all-reduces: 2 per layer and the embedding's
+    comm += 10e-6 + 7 / 8 * 128256 * 2 / 450e9  # the ring all-gather of one position's bf16 logits
     memory = (7_504_658_432 * 2 / 8 + 2 * 32 * 1 * 128 * 2) / 3.35e12  # weights and one KV head per GPU
     assert eight.step_time(decode) == pytest.approx(memory + comm + 1e-3, rel=1e-9)
 
@@ -78,8 +79,15 @@ def test_glm_4_6_preset_counts_its_dense_layers_shared_and_routed_experts():
 def test_all_reduce_over_pcie_for_target_and_each_head_forward():
     r = RooflineModel(HARDWARE["rtx-pro-6000x8-pcie"], MODELS["glm-4.6"], dtype="fp8", efficiency=IDEAL)
     one = 25e-6 + 2 * 7 / 8 * 16 * 5120 * 2 / 64e9  # latency + ring bytes of 16 bf16 hidden vectors
-    assert r.step_terms(StepShape(16, 16, 16000)).comm == pytest.approx(2 * 92 * one)
-    assert r.draft_forward_terms(16, False).comm == pytest.approx(2 * one)  # one layer: its own two
+    gather = lambda rows, vocab: 25e-6 + 7 / 8 * rows * vocab * 2 / 64e9  # noqa: E731  bf16 logits, all-gathered
+    # 2 per layer and the embedding's; a plain step gathers 16 rows of logits, a verify of 4 x 4 rows 16 too
+    assert r.step_terms(StepShape(16, 16, 16000)).comm == pytest.approx(185 * one + gather(16, 151552))
+    assert r.step_terms(StepShape(16, 4, 4000, draft_tokens=12, logits=16)).comm == \
+        pytest.approx(185 * one + gather(16, 151552))
+    assert gather(16, 151552) == pytest.approx(25e-6 + 66.3e-6, rel=1e-3)
+    assert r.draft_forward_terms(16, False).comm == pytest.approx(3 * one + gather(16, 32000))  # one layer: its own
+    extend = r.draft_forward_terms(16, True, logits=4)  # 16 verified positions, 4 requests drafting from their last
+    assert extend.comm == pytest.approx(3 * one + gather(4, 32000))
 
 
 def test_eagle3_as_sglang_runs_it_an_extend_then_k_forwards_and_the_overlap_schedule():

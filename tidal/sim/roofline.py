@@ -63,14 +63,17 @@ class RooflineModel:
             kv   = K+V bytes per token / min(tp, kv_heads)   (heads split, never below one)
         compute = (2 * T * active linear params + 2 * logits * vocab * hidden
                    + 4 * layers * heads * head_dim * attention pairs) / tp / (FLOP/s * eff_flops)
-        comm    = 2 * layers * (latency + 2 (tp - 1) / tp * T * hidden * 2 bytes / link)  (ring
-                  all-reduce after attention and after the MLP; 0 when tp = 1)
+        comm    = (2 * layers + 1) * (latency + 2 (tp - 1) / tp * T * hidden * 2 bytes / link)
+                  (ring all-reduces after the vocab-parallel embedding, attention and the MLP)
+                  + latency + (tp - 1) / tp * logits * vocab * 2 bytes / link  (the ring
+                  all-gather of the vocab-parallel lm_head's logits; a verify gathers every
+                  draft position's); 0 when tp = 1
         time    = max(compute, memory) + comm / link + launch + step_overhead + token_overhead * T
 
     The EAGLE-3 draft head is one decoder layer of the target's width whose q/k/v read the
     concatenated (embedding, feature) of width 2 * hidden, an fc fusing three target features
     (3 * hidden -> hidden, run over the catch-up tokens only) and an lm_head over the draft vocab;
-    each drafter forward is costed the same way (its own two all-reduces included), with
+    each drafter forward is costed the same way (its own collectives included), with
     `draft_overhead` in place of the step's. How the head runs (`drafter`):
         eagle3                 tidal's: the first forward runs over the positions verified since
                                the last proposal and drafts from the last; K forwards in all
@@ -148,6 +151,14 @@ class RooflineModel:
         size = tokens * self.model.hidden_size * 2
         return count * (hw.link_latency + 2 * (self.tp - 1) / self.tp * size / hw.link_bandwidth)
 
+    def logits_gather_time(self, positions: int, vocab: int) -> float:
+        """The ring all-gather of `positions` rows of bf16 logits over `vocab` entries, which a
+        vocab-parallel lm_head splits over the GPUs: each GPU receives the other (tp - 1) / tp."""
+        if self.tp == 1 or positions == 0:
+            return 0.0
+        hw = self.hardware
+        return hw.link_latency + (self.tp - 1) / self.tp * positions * vocab * 2 / hw.link_bandwidth
+
     @property
     def overlaps_drafting(self) -> bool:
         """Whether the host work of verify and draft forwards runs under the GPU's (spec v2)."""
@@ -192,18 +203,22 @@ class RooflineModel:
         memory = self.weight_bytes_read(shape.tokens) + kv * (shape.context + shape.tokens)
         flops = (self.linear_flops(shape.tokens) + 2.0 * logits * m.lm_head_params / self.tp
                  + 4.0 * m.num_layers * m.num_heads * m.head_dim * shape.attention_pairs / self.tp)
-        return Terms(flops, memory, self.allreduce_time(shape.tokens, 2 * m.num_layers), shape.tokens)
+        comm = self.allreduce_time(shape.tokens, 2 * m.num_layers + 1) + self.logits_gather_time(logits, m.vocab_size)
+        return Terms(flops, memory, comm, shape.tokens)
 
-    def draft_forward_terms(self, tokens: int, fuse: bool) -> Terms:
-        """One EAGLE-3 head forward over `tokens` tokens; `fuse`: it also runs the fc over them."""
+    def draft_forward_terms(self, tokens: int, fuse: bool, logits: int | None = None) -> Terms:
+        """One EAGLE-3 head forward over `tokens` tokens, `logits` of them (default all) drafting
+        through its lm_head; `fuse`: it also runs the fc over them."""
         m, h = self.model, self.model.hidden_size
         q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
         layer = 2 * h * (q + 2 * kv) + q * h + 3 * h * m.draft_intermediate_size
         lm_head = h * m.draft_vocab_size
         params = layer + lm_head + (3 * h * h if fuse else 0)
         memory = params * self.weight_bytes / self.tp
-        flops = 2.0 * tokens * params / self.tp
-        return Terms(flops, memory, self.allreduce_time(tokens, 2), tokens)
+        logits = tokens if logits is None else logits
+        flops = 2.0 * (tokens * (params - lm_head) + logits * lm_head) / self.tp
+        comm = self.allreduce_time(tokens, 3) + self.logits_gather_time(logits, m.draft_vocab_size)
+        return Terms(flops, memory, comm, tokens)
 
     def draft_terms(self, ks: list[int], catch_up: int) -> list[Terms]:
         """A proposal of ks[i] drafts per request: the first forward runs over the `catch_up`
@@ -215,7 +230,7 @@ class RooflineModel:
             return []
         first = 1 if self.drafter.startswith("eagle3-sglang") else 2
         later = [self.draft_forward_terms(sum(k >= j for k in ks), False) for j in range(first, longest + 1)]
-        return [self.draft_forward_terms(max(catch_up, 1), True)] + later
+        return [self.draft_forward_terms(max(catch_up, 1), True, sum(k > 0 for k in ks))] + later
 
     def draft_time(self, ks: list[int], catch_up: int) -> float:
         """Seconds for one proposal (see draft_terms)."""
