@@ -431,3 +431,31 @@ def test_adaptive_drafts_after_a_long_prompt():
     request that would gain from drafting at K = 0 for good."""
     run = _sim(DearCatchUp(), "adaptive:4", acceptance=0.8, concurrency=1, prompts=2, input_len=1000, output_len=128)
     assert sum(run.chosen_k) / len(run.chosen_k) > 3  # 1.7 when the whole prompt is charged to one step
+
+
+def test_acceptance_scan_refits_the_draft_cost_at_each_acceptance(capsys):
+    """One measured speculative point pins acceptance times cost: the scan refits both per value."""
+    from tidal.sim.scan import parse_acceptances
+
+    assert parse_acceptances("0.7, 0.4,0.4") == [0.4, 0.7]
+    for bad in ("", "0", "1.5", "x"):
+        with pytest.raises(ValueError):
+            parse_acceptances(bad)
+    args = ["sim", "--measured", "off@1=92.6,off@250=772.1,eagle3@1=77.5", "--hardware", "rtx-pro-6000x8-pcie",
+            "--model", "glm-4.6", "--dtype", "fp8", "--drafter", "eagle3-sglang", "--spec-max-running", "48",
+            "--concurrency", "1,32,250", "--scan-acceptance", "0.2,0.5,0.9"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    rows = {float(line.split("|")[1]): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| 0.")}
+    assert set(rows) == {0.2, 0.5, 0.9}
+    draft_ms = {a: float(r[1]) for a, r in rows.items()}
+    assert draft_ms[0.2] < draft_ms[0.5] < draft_ms[0.9]  # more value per draft: the fit makes drafting dearer
+    assert float(rows[0.5][2].rstrip("%")) < 3 and float(rows[0.9][2].rstrip("%")) < 3  # the points reproduced
+    assert float(rows[0.2][2].rstrip("%")) > 5  # too little value for 77.5 tok/s even at the cheapest drafting
+    at_32 = {a: float(r[4].rstrip("x")) for a, r in rows.items()}
+    assert at_32[0.2] < 1.0 < at_32[0.9]
+    assert "plain decoding ahead of fixed:3 at every level at acceptance 0.20" in out
+    assert main(args[:1] + args[3:]) != 0  # no --measured: a clear error, no table
+    captured = capsys.readouterr()
+    assert "needs --measured" in captured.err and "|" not in captured.out

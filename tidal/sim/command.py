@@ -69,6 +69,10 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--explain", default=None, metavar="C[,C...]",
                    help="instead of the sweep: one decode step at each concurrency split into its terms (weights, "
                         "experts, attention, all-reduce, drafting, extend, overhead) for off and the fixed:K modes")
+    p.add_argument("--scan-acceptance", default=None, metavar="A[,A...]",
+                   help="instead of the sweep: calibrate on --measured and sweep off vs fixed:K (--calibrate-k) "
+                        "once per constant per-position acceptance, e.g. 0.3,0.4,...; shows which acceptances "
+                        "agree with what was observed at other concurrencies")
     p.add_argument("--json", default=None, help="write the records (and the model) to this JSON file")
     p.add_argument("--plot", default=None, help="write a PNG plot of tok/s vs concurrency")
     return p
@@ -139,6 +143,8 @@ def run_sim(args) -> int:
 
     modes = parse_modes(args.speculation, args.num_speculative_tokens)
     config = _sweep_config(args, max(m.max_k for m in modes))
+    if args.scan_acceptance:
+        return _scan(args, config)
     model, config = _step_model(args, config, args.calibrate or bool(args.measured))
     if args.explain:
         from tidal.sim.explain import explain
@@ -162,6 +168,31 @@ def run_sim(args) -> int:
         write_json(args.json, records, {"simulated": True, "model": model.describe(), "command": " ".join(sys.argv)})
     if args.plot:
         plot(args.plot, records, title=f"SIMULATED: {model.describe().split(':')[0]}")
+    return 0
+
+
+def _scan(args, config) -> int:
+    """`tidal sim --scan-acceptance`: one calibration and off vs fixed:K sweep per acceptance."""
+    from dataclasses import replace
+
+    from tidal.sim.calibrate import parse_points
+    from tidal.sim.presets import HARDWARE, MODELS
+    from tidal.sim.roofline import RooflineModel
+    from tidal.sim.scan import format_scan, parse_acceptances, scan_acceptance
+
+    values = parse_acceptances(args.scan_acceptance)
+    if args.profile or not args.measured:
+        raise ValueError("--scan-acceptance calibrates the roofline: it needs --measured points and no --profile")
+    model = RooflineModel(HARDWARE[args.hardware], MODELS[args.model], args.tp, args.dtype, drafter=args.drafter)
+    config = replace(config, num_blocks=config.num_blocks or model.kv_capacity_tokens() // config.block_size)
+    k = args.calibrate_k
+    rows = scan_acceptance(model, parse_points(args.measured, k), config, k, values,
+                           progress=lambda r: print(f"  acceptance {r.acceptance:.2f}: fitted", file=sys.stderr,
+                                                    flush=True))
+    print(f"SIMULATED (not measured): fixed:{k} tok/s over plain decoding's, calibrated on {args.measured} at "
+          f"each acceptance; {args.input_len} in / {args.output_len} out; {model.describe().split(':')[0]}, "
+          f"drafter {args.drafter}")
+    print(format_scan(rows, k))
     return 0
 
 
