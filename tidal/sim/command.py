@@ -103,21 +103,28 @@ def _sweep_config(args, max_k: int):
                        args.spec_max_running)
 
 
-def _step_model(args, config, calibrate: bool):
-    """The roofline (calibrated when asked) or the measured profile; and its KV block count."""
+def _roofline(args, config):
+    """The preset roofline the arguments name, and `config` with its KV blocks where unset."""
     from dataclasses import replace
 
-    from tidal.sim.measured import MeasuredModel
     from tidal.sim.presets import HARDWARE, MODELS
     from tidal.sim.roofline import RooflineModel
+
+    model = RooflineModel(HARDWARE[args.hardware], MODELS[args.model], args.tp, args.dtype, drafter=args.drafter)
+    if config.num_blocks is None:
+        config = replace(config, num_blocks=model.kv_capacity_tokens() // config.block_size)
+    return model, config
+
+
+def _step_model(args, config, calibrate: bool):
+    """The roofline (calibrated when asked) or the measured profile; and its KV block count."""
+    from tidal.sim.measured import MeasuredModel
 
     if args.profile:
         if calibrate:
             raise ValueError("--calibrate fits the roofline; it does not go with --profile")
         return MeasuredModel.load(args.profile), config
-    model = RooflineModel(HARDWARE[args.hardware], MODELS[args.model], args.tp, args.dtype, drafter=args.drafter)
-    if config.num_blocks is None:
-        config = replace(config, num_blocks=model.kv_capacity_tokens() // config.block_size)
+    model, config = _roofline(args, config)
     if calibrate:
         from tidal.sim.calibrate import calibrate as fit, parse_points
 
@@ -173,18 +180,13 @@ def run_sim(args) -> int:
 
 def _scan(args, config) -> int:
     """`tidal sim --scan-acceptance`: one calibration and off vs fixed:K sweep per acceptance."""
-    from dataclasses import replace
-
     from tidal.sim.calibrate import parse_points
-    from tidal.sim.presets import HARDWARE, MODELS
-    from tidal.sim.roofline import RooflineModel
     from tidal.sim.scan import format_scan, parse_acceptances, scan_acceptance
 
     values = parse_acceptances(args.scan_acceptance)
     if args.profile or not args.measured:
         raise ValueError("--scan-acceptance calibrates the roofline: it needs --measured points and no --profile")
-    model = RooflineModel(HARDWARE[args.hardware], MODELS[args.model], args.tp, args.dtype, drafter=args.drafter)
-    config = replace(config, num_blocks=config.num_blocks or model.kv_capacity_tokens() // config.block_size)
+    model, config = _roofline(args, config)
     k = args.calibrate_k
     rows = scan_acceptance(model, parse_points(args.measured, k), config, k, values,
                            progress=lambda r: print(f"  acceptance {r.acceptance:.2f}: fitted", file=sys.stderr,
