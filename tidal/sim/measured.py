@@ -6,10 +6,10 @@ seqs) from its `drafts` column; optional further rows may be draft points, see b
 JSON: {"steps": [[tokens, seqs, context, seconds(, verifying)], ...],
 "drafts": [[forwards, tokens, catch_up, seconds], ...], "knots": [1, 2, 4, ...]} (knots: the
 token counts where the step time may bend, default StepCostModel's; the engine adds 5, 8 and 9
-on CPUs with the int4 kernel and 65 past its compiled steps, and the simulated policy's cost
-model uses them too). A CSV row
-whose `kind` column ends in "draft" reads its columns as forwards, tokens, catch_up, seconds; a leading
-comment `# knots=1,2,4,...` sets the knots. The engine's `--step-log` file is such a CSV
+on CPUs with the int4 kernel, and the last token count of its compiled steps and the next one,
+and the simulated policy's cost model uses them too). A CSV row whose `kind` column ends in
+"draft" reads its columns as forwards, tokens, catch_up, seconds; a leading comment
+`# knots=1,2,4,...` sets the knots. The engine's `--step-log` file is such a CSV
 (tidal.engine.step_log): its rows of kind "profile" / "profile-draft" (the start-up profile) are
 fitted as the engine fits them, as anchors rescaled to the level of the live rows ("step" /
 "draft"). Without draft points the drafter costs nothing (an n-gram drafter, or a profile that did
