@@ -131,18 +131,19 @@ def test_compiled_steps_match_eager_greedy_on_the_bundled_model():
                 == [o.token_ids for o in eager.generate(prompts[:n], params)])
 
 
-def test_a_step_runs_compiled_unless_padding_one_group_would_cost_more_than_eager():
-    from tidal.engine.scheduler import ScheduledSeq
+def test_a_compiled_step_lays_long_query_runs_out_in_rows_of_the_cheapest_width(compiled):
+    assert model_runner.query_width([1] * 32) == 2  # export specialises 1: decodes get a padding query
+    assert model_runner.query_width([5] + [1] * 31) == 2  # 34 rows of 2, not 32 padded to 5
+    assert model_runner.query_width([5] * 12) == 5
+    assert model_runner.query_width([24] + [1] * 30) == 3  # a prompt's chunk beside decodes
     from tidal.sequence import Sequence
 
-    def scheduled(computed, new, drafts=0):
-        seq = Sequence(f"s{computed}-{new}", list(range(1, computed + new + 1)), SamplingParams())
-        seq.num_computed_tokens = computed
-        return ScheduledSeq(seq, new, drafts)
-
-    decodes = [scheduled(300, 1) for _ in range(31)]
-    verify = decodes + [scheduled(300, 5, drafts=4)]  # one request verifying 4 drafts pads 31 to 5 queries
-    assert model_runner.padding_rows(verify, 36) == 32 * 5 - 36 <= model_runner.COMPILED_PAD_ROWS
-    prefill = decodes[:30] + [scheduled(0, 24)]  # a prompt's chunk pads 30 decodes to 24 queries
-    assert model_runner.padding_rows(prefill, 54) > model_runner.COMPILED_PAD_ROWS
-    assert model_runner.padding_rows(decodes, 31) == model_runner.padding_rows(decodes[:1], 1) == 0
+    seq, other = (Sequence(name, list(range(1, 9)), SamplingParams()) for name in ("a", "b"))
+    seq.block_table, other.block_table = [0, 1], [2, 3]
+    runner = compiled.engine.runner
+    _, meta = runner.metadata([(seq, 3, 5)] + [(other, 7, 1)] * 9, compiled=True)  # 5 queries at 3..7; decodes at 7
+    (g,) = meta.groups
+    assert g.token_index.tolist() == [[0, 1], [2, 3], [4, 0]] + [[5 + i, 0] for i in range(9)]
+    assert g.mask[:3, 0].sum(-1).tolist() == [[4, 5], [6, 7], [8, 1]]  # keys each query sees (padding: one)
+    assert g.kv_slots[1, :7].tolist() == list(range(7)) and g.kv_slots[3, :8].tolist() == list(range(8, 16))
+    assert g.out_index.tolist() == list(range(14)) and g.rows.tolist() == [0, 1, 2, 3, 4, *range(6, 24, 2)]

@@ -40,11 +40,12 @@ SHORT_QUERY_LEN = 16
 # would reach this many query rows; below it a second call's fixed cost wins (timings: the
 # commit that set it).
 SPLIT_PAD_ROWS = 8
-# A compiled step pads every sequence to the longest one's queries (one attention group). Past
-# this many padded query rows that costs more than the eager step's fixed cost (a prompt's chunk
-# beside many decodes), so the step runs eager; verify steps stay under it (timings: the commit
-# that set it).
-COMPILED_PAD_ROWS = 192
+# A compiled step is one attention group whose rows each hold up to `width` queries of one
+# sequence: a sequence feeding n tokens takes ceil(n / width) rows, each gathering the longest
+# context's keys. One row's gather costs about as much as this many padded query rows, so
+# query_width() picks the width that minimises rows x (this + width) (timings: the commit that
+# set it).
+ROW_GATHER_QUERIES = 8
 
 log = logging.getLogger("tidal.engine")
 
@@ -141,13 +142,16 @@ class ModelRunner:
                  ) -> tuple[torch.Tensor, AttentionMetadata]:
         """Positions and attention metadata for feeding each seq `n` tokens from position
         `start`, the sequences laid out one after another. The EAGLE drafter uses it too, over
-        its own cache, which shares the target's block tables. `compiled`: one padded group
-        whatever the step, every size at least 2 (but the sequences and queries of a one-token
-        step), so that a few compiled graphs (one token; more, compiled_step.GRAPHS) serve every
-        small step: export specialises a size of 0 or 1."""
+        its own cache, which shares the target's block tables. `compiled`: one group of rows of
+        query_width() queries whatever the step, every size at least 2 (but the rows and queries
+        of a one-token step), so that a few compiled graphs (one token; more,
+        compiled_step.GRAPHS) serve every small step: export specialises a size of 0 or 1."""
         positions, slots = self.slots(spans)
         if compiled:
-            items = list(zip(np.cumsum([0] + [n for *_, n in spans[:-1]]).tolist(), *zip(*spans)))
+            width = query_width([n for *_, n in spans])
+            offsets = np.cumsum([0] + [n for *_, n in spans[:-1]]).tolist()
+            items = [(off + i, seq, start + i, min(width, n - i))
+                     for off, (seq, start, n) in zip(offsets, spans) for i in range(0, n, width)]
             group = self._group(items, least=1 if len(positions) == 1 else 2, least_keys=2)
             return positions, AttentionMetadata(slot_mapping=slots, groups=[group])
         short, groups = [], []
@@ -190,8 +194,7 @@ class ModelRunner:
                 rows.extend(range(end - s.num_draft_tokens, end + 1))
                 sampling.append(s)
         num_tokens = int(ends[-1]) + 1
-        compiled = (self.compiled is not None and 0 < len(rows) and self.compiled.covers(num_tokens)
-                    and padding_rows(scheduled, num_tokens) <= COMPILED_PAD_ROWS)
+        compiled = self.compiled is not None and 0 < len(rows) and self.compiled.covers(num_tokens)
         input_ids, positions, meta = self.prepare(scheduled, compiled)
         if compiled:
             logits, aux = self._run_compiled(input_ids, positions, meta, rows)
@@ -353,14 +356,11 @@ class ModelRunner:
         return seq.generator
 
 
-def padding_rows(scheduled: list[ScheduledSeq], num_tokens: int) -> int:
-    """The query rows padding adds when the step is one attention group: every sequence padded
-    to the most queries of any, and to at least two sequences. Not counted: the second query
-    that metadata() gives every sequence of a step of one-token sequences (a compiled decode
-    step of 64 such at 2000 tokens of context still beat eager)."""
-    if num_tokens == 1:
-        return 0
-    return max(2, len(scheduled)) * max(s.num_new_tokens for s in scheduled) - num_tokens
+def query_width(q_lens: list[int]) -> int:
+    """The queries per row of a compiled step's attention group (ModelRunner.metadata): the width
+    that minimises rows x (ROW_GATHER_QUERIES + width), at least 2 (export specialises 1)."""
+    return min(range(max(2, *q_lens), 1, -1),
+               key=lambda w: sum(-(-n // w) for n in q_lens) * (ROW_GATHER_QUERIES + w))
 
 
 # ------------------------------------------------------------ compiled packages
