@@ -12,8 +12,8 @@ Draft phase (one proposal for the batch):
     time = e0 + e1 * head forwards + e2 * draft tokens + e3 * catch-up tokens,  all e >= 0
 
 A sequence verifying drafts costs more than its extra tokens: it attends with several queries
-(a causal mask), and once drafts would pad the one-token sequences those get an attention call of
-their own (model_runner.SPLIT_PAD_ROWS); the g term prices that, and the start-up profile (batch
+(a causal mask), and its attention takes more of the step's rows or calls (model_runner:
+query_width, SPLIT_PAD_ROWS); the g term prices that, and the start-up profile (batch
 sizes 1-64 at K = 0, 2, 4) measures it from the start. A step verifying drafts is also priced with
 `draft_bias` (see StepCostModel.draft_bias).
 
