@@ -19,6 +19,7 @@ the adaptive policy's mean chosen K and acceptance, and the crossover.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import time
@@ -29,16 +30,57 @@ from tidal import LLM, SamplingParams
 from tidal.config import SpecConfig
 from tidal.datasets import chat_prompts, mixed_prompts, rewrite_prompts
 from tidal.sim.tune import best_k, k_of, schedule_ranges, tidal_schedule
+from tidal.speculative.ngram import NgramDrafter
 
 
 def spec_for(mode: str, method: str) -> SpecConfig:
-    """'off', 'fixed:K', 'adaptive:K' (K = the most it may choose), 'schedule:1-4:4,5-:0'."""
+    """'off', 'fixed:K', 'adaptive:K' (K = the most it may choose), 'schedule:1-4:4,5-:0',
+    'oracle:K' (fixed:K with AcceptedOnly drafts)."""
     name, _, arg = mode.partition(":")
     if name == "off":
         return SpecConfig()
     if name == "schedule":
         return SpecConfig(method, 15, mode="schedule", schedule=arg)
-    return SpecConfig(method, int(arg or 4), mode=name)
+    return SpecConfig(method, int(arg or 4), mode="fixed" if name == "oracle" else name)
+
+
+class AcceptedOnly(NgramDrafter):
+    """n-gram continuations cut to the tokens the target's greedy output has there (`references`:
+    prompt -> prompt and greedy output, from a plain run), so no draft is rejected: what choosing
+    each request's K with foresight would give this drafter, the ceiling of any policy's choice
+    (a policy could still do better only by declining accepted drafts where a step costs more)."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]]):
+        super().__init__()
+        self.references = references
+        self.diverged: set[str] = set()  # requests whose output left the reference (bf16: batch shapes)
+
+    def available(self, seqs, max_k: int) -> list[int]:
+        super().available(seqs, max_k)
+        for s in seqs:
+            length, continuation, grade = self._found[s.request_id]
+            reference = self.references[tuple(s.prompt_token_ids)]
+            if reference[:s.num_tokens] != s.token_ids:
+                self.diverged.add(s.request_id)
+            truth = reference[s.num_tokens:]
+            same = next((i for i, (a, b) in enumerate(zip(continuation, truth)) if a != b),
+                        min(len(continuation), len(truth)))
+            self._found[s.request_id] = (length, continuation[:same], grade)
+        return [len(self._found[s.request_id][1]) for s in seqs]
+
+
+def with_oracle(engines: dict[str, LLM], prompts: list[list[int]], output_len: int, dtype: str) -> None:
+    """Give the oracle:K engines AcceptedOnly drafters, from one plain greedy run of `prompts`."""
+    oracles = [llm for m, llm in engines.items() if m.startswith("oracle")]
+    if not oracles:
+        return
+    plain = LLM(dtype=dtype)
+    outputs = plain.generate(prompts, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
+    references = {tuple(p): p + o.token_ids for p, o in zip(prompts, outputs)}
+    del plain, outputs
+    gc.collect()  # its weights and cache, before the sweep's engines run
+    for llm in oracles:
+        llm.engine.drafter = AcceptedOnly(references)
 
 
 class ClosedLoop:
@@ -172,7 +214,8 @@ def main():
     ap.add_argument("--modes", default="off,fixed:2,fixed:4,adaptive:4",
                     help="off, fixed:K, adaptive:K, schedule:RANGES, or a bare `schedule`: the schedule "
                          "derived from this run's off and fixed:K results, run in a second pass beside "
-                         "the adaptive modes")
+                         "the adaptive modes; oracle:K (n-gram only): fixed:K with every draft the "
+                         "target would reject cut off, the ceiling of choosing K per request")
     ap.add_argument("--method", default="eagle3", choices=["eagle3", "ngram"])
     ap.add_argument("--workload", default="chat", choices=["chat", "rewrite", "mixed"],
                     help="mixed: chat and rewrite prompts taking turns")
@@ -184,14 +227,21 @@ def main():
     first = [m for m in modes if m != "schedule"]
     if derive and not any(k_of(m) is not None for m in first):
         ap.error("a bare `schedule` mode derives from off / fixed:K modes: name some")
+    if any(m.startswith("oracle") for m in first) and args.method != "ngram":
+        ap.error("oracle:K cuts n-gram drafts: use it with --method ngram")
     levels = [int(c) for c in args.concurrency.split(",")]
     engines = {m: LLM(dtype=args.dtype, spec=spec_for(m, args.method)) for m in first}
     tok = next(iter(engines.values())).tokenizer
     texts = {"chat": chat_prompts, "rewrite": rewrite_prompts, "mixed": mixed_prompts}[args.workload]()
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in texts]
+    with_oracle(engines, prompts, args.output_len, args.dtype)
     interleaved([ClosedLoop(llm, prompts, 2, 2, 8) for llm in engines.values()])  # warm up
     results = run_levels(engines, prompts, levels, args)
     rate = {key: r[1] / r[0] for key, r in results.items()}
+    for m, llm in engines.items():
+        if isinstance(llm.engine.drafter, AcceptedOnly) and llm.engine.drafter.diverged:
+            print(f"{m}: {len(llm.engine.drafter.diverged)} requests left their reference output (batch-shape "
+                  "numerics), so some of its drafts were cut wrongly: use --dtype float32")
     dtype = next(iter(engines.values())).engine.dtype
     print(f"\n# {args.method}, {args.output_len} greedy tokens per request, shipped {args.workload} prompts, "
           f"closed loop; dtype {dtype}, torch {torch.__version__}, {platform.processor() or platform.machine()}")
