@@ -2,7 +2,7 @@
 
     python benchmarks/adaptive.py [--concurrency 1,2,4,8,16,32,64,128] [--output-len 128]
                                   [--modes off,fixed:2,fixed:4,adaptive:4] [--method eagle3]
-                                  [--workload chat|rewrite|mixed] [--modes ...,schedule]
+                                  [--workload chat|rewrite|mixed] [--modes ...,schedule,oracle:4]
 
 At each concurrency C, every mode serves the same requests (shipped chat prompts, or the
 repetition-heavy rewrite prompts where an n-gram drafter has something to copy; greedy,
@@ -12,8 +12,10 @@ requests with staggered lengths brings each engine to a steady state (see Closed
 interleaved, one engine step each in turn; a mode's tok/s is its output tokens over the time
 spent inside its own steps (drafting and policy included). So a slow spell of this noisy machine
 slows every mode alike instead of whichever ran then (run one after another, two modes doing the
-very same work differed by 1.4x). Prints output tok/s per mode and each mode's ratio to the best of the others,
-the adaptive policy's mean chosen K and acceptance, and the crossover.
+very same work differed by 1.4x). `oracle:K` (n-gram): fixed:K with the drafts the target
+would reject cut off in advance (see AcceptedOnly). Prints output tok/s per mode and each
+mode's ratio to the best of the others, the adaptive policy's mean chosen K and acceptance, and
+the crossover.
 """
 
 from __future__ import annotations
