@@ -147,3 +147,27 @@ def test_a_compiled_step_lays_long_query_runs_out_in_rows_of_the_cheapest_width(
     assert g.mask[:3, 0].sum(-1).tolist() == [[4, 5], [6, 7], [8, 1]]  # keys each query sees (padding: one)
     assert g.kv_slots[1, :7].tolist() == list(range(7)) and g.kv_slots[3, :8].tolist() == list(range(8, 16))
     assert g.out_index.tolist() == list(range(14)) and g.rows.tolist() == [0, 1, 2, 3, 4, *range(6, 24, 2)]
+
+
+def test_a_prompt_beside_decoding_requests_runs_compiled_and_matches_eager(tiny_model_dir, compiled, monkeypatch):
+    compiled.engine.runner.land_compiled(wait=True)
+    runner = compiled.engine.runner
+    fed_compiled = []
+    metadata = runner.metadata
+    monkeypatch.setattr(runner, "metadata", lambda spans, compiled=False: (
+        compiled and fed_compiled.append({(s.request_id, start, n) for s, start, n in spans}), metadata(spans, compiled))[1])
+    prompts = repetitive_prompts(5)
+
+    def run(llm) -> dict[str, list[int]]:
+        engine, done = llm.engine, {}
+        for i in range(4):
+            engine.add_request(f"early-{i}", prompts[i], REPEAT)
+        while len(done) < 5:
+            if len(done) == 0 and engine.scheduler.running and all(s.output_token_ids for s in engine.scheduler.running):
+                if "late" not in {s.request_id for s in engine.scheduler.running + engine.scheduler.waiting}:
+                    engine.add_request("late", prompts[4], REPEAT)  # its prompt beside four decoding requests
+            done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        return done
+
+    assert run(compiled) == run(tiny(tiny_model_dir, enforce_eager=True))
+    assert any(("late", 0, len(prompts[4])) in step and any(n == 1 for _, _, n in step) for step in fed_compiled)
