@@ -21,7 +21,7 @@ from tidal import LLM, SamplingParams
 from tidal.engine import model_runner
 from tidal.engine.scheduler import ScheduledSeq
 
-# name: (tokens fed per request, as (count, tokens) runs); a run of tokens > 1 with "chunk" re-feeds
+# verify steps: name -> (count, tokens fed) runs; chunk steps: name -> (chunk tokens, decodes beside it)
 VERIFY = {"plain": [(32, 1)], "1 verifies 4": [(1, 5), (31, 1)], "4 verify 4": [(4, 5), (28, 1)],
           "8 verify 2": [(8, 3), (24, 1)], "8 verify 4": [(8, 5), (24, 1)], "all verify 1": [(32, 2)],
           "16 verify 2": [(16, 3), (16, 1)], "12 verify 4": [(12, 5)]}
@@ -39,10 +39,14 @@ def filled(llm: LLM, requests: int, context: int) -> list:
     return list(engine.scheduler.running)
 
 
+def fed_of(runs) -> list[int]:
+    """Tokens fed per request, from (count, tokens) runs."""
+    return [n for count, n in runs for _ in range(count)]
+
+
 def verify_step(seqs, runs) -> list[ScheduledSeq]:
-    fed = [n for count, n in runs for _ in range(count)]
     out = []
-    for s, n in zip(seqs, fed):
+    for s, n in zip(seqs, fed_of(runs)):
         s.draft_token_ids = [101 + j for j in range(n - 1)]
         out.append(ScheduledSeq(s, n, n - 1))
     return out
@@ -90,8 +94,7 @@ def main():
     print("| step | tokens | width | rows | padded | eager | padded / rows | eager / rows |")
     print("|---|---|---|---|---|---|---|---|")
     for name in [*VERIFY, *CHUNKS]:
-        fed = ([n for count, n in VERIFY[name] for _ in range(count)] if name in VERIFY
-               else [1] * CHUNKS[name][1] + [CHUNKS[name][0]])
+        fed = fed_of(VERIFY[name]) if name in VERIFY else [1] * CHUNKS[name][1] + [CHUNKS[name][0]]
         ms = {layout: 1e3 * statistics.median(res[name, layout]) for layout in layouts}
         print(f"| {name} | {sum(fed)} | {min(rows(fed), max(fed))} | {ms['rows']:.1f} | {ms['padded']:.1f} | "
               f"{ms['eager']:.1f} | {ms['padded'] / ms['rows']:.2f}x | {ms['eager'] / ms['rows']:.2f}x |")
