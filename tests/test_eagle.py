@@ -166,7 +166,10 @@ def test_paused_requests_features_do_not_keep_whole_steps_alive(eagle_setup, mon
     features wait for the head for dozens of steps, each a slice of its step's features. At
     most MAX_PENDING_VIEWS of them stay views (the rest are copied out, in order), and outputs
     stay equal to plain decoding."""
-    from tidal.speculative.eagle import MAX_PENDING_VIEWS, pins_more
+    from tidal.speculative.eagle import MAX_PENDING_VIEWS
+
+    def pins_more(t: torch.Tensor) -> bool:  # a slice of a bigger tensor (inference mode: no view record)
+        return t.untyped_storage().nbytes() > t.numel() * t.element_size()
     target, head_dir = eagle_setup
     spec = SpecConfig("eagle3", 4, draft_model=str(head_dir), mode="schedule", schedule="1-1:4,2-:0")
     eng = LLM(str(target), dtype="float32", enforce_eager=True, spec=spec,

@@ -128,7 +128,8 @@ class EngineCore:
             self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
         for seq, k, c in zip(seqs, ks, classes):
             seq.spec.chosen_k, seq.spec.draft_class = k, c
-        ks = self.scheduler.reserve_drafts(seqs, ks)
+        if any(ks):
+            ks = self.scheduler.reserve_drafts(seqs, ks)
         if not any(ks):
             return  # speculation off this step: no drafter call at all
         catch_up = sum(self.drafter.catch_up(s) for s, k in zip(seqs, ks) if k)

@@ -22,12 +22,6 @@ from tidal.sequence import Sequence
 MAX_PENDING_VIEWS = 8  # see Eagle3Drafter.observe
 
 
-def pins_more(t: torch.Tensor) -> bool:
-    """Whether `t` keeps more memory alive than its own elements (a slice of a bigger tensor;
-    tensors made in inference mode do not record what they view, so their storage tells)."""
-    return t.untyped_storage().nbytes() > t.numel() * t.element_size()
-
-
 @dataclass
 class HeadState:
     """The head's part of one request: positions whose head KV is valid, and the target's
@@ -35,6 +29,7 @@ class HeadState:
 
     num_computed: int = 0
     features: list = field(default_factory=list)
+    views: int = 0  # trailing entries of `features` that are views of a step's features
 
 
 class Eagle3Drafter:
@@ -49,7 +44,10 @@ class Eagle3Drafter:
         self._states: dict[Sequence, HeadState] = {}
 
     def state(self, seq: Sequence) -> HeadState:
-        return self._states.setdefault(seq, HeadState())
+        state = self._states.get(seq)
+        if state is None:  # not setdefault: it would build a HeadState on every call
+            state = self._states[seq] = HeadState()
+        return state
 
     def forget(self, seq: Sequence) -> None:
         """`seq` was preempted (its head KV went with its blocks) or ended."""
@@ -62,11 +60,12 @@ class Eagle3Drafter:
         request's 120 views held 9.6 MB of step tensors for its own 94 kB), so every
         `MAX_PENDING_VIEWS` trailing views are copied into one tensor of their own: at most that
         many steps' tensors stay alive for a paused request, and each row is copied once."""
-        pending = self.state(seq).features
-        pending.append(features)
-        # entries after a copy are views, so the one MAX_PENDING_VIEWS back tells for the rest
-        if len(pending) >= MAX_PENDING_VIEWS and pins_more(pending[-MAX_PENDING_VIEWS]):
-            pending[-MAX_PENDING_VIEWS:] = [torch.cat(pending[-MAX_PENDING_VIEWS:])]
+        state = self.state(seq)
+        state.features.append(features)
+        state.views += 1
+        if state.views == MAX_PENDING_VIEWS:
+            state.features[-MAX_PENDING_VIEWS:] = [torch.cat(state.features[-MAX_PENDING_VIEWS:])]
+            state.views = 0
 
     def available(self, seqs: list[Sequence], max_k: int) -> list[int]:
         return [max_k] * len(seqs)  # the head always drafts; what it gets right is only known after
@@ -114,7 +113,7 @@ class Eagle3Drafter:
             if end - 1 > start:
                 spans.append((seq, start, end - 1 - start))
             last.append((seq, end - 1, 1))
-            state.features, state.num_computed = [], end
+            state.features, state.views, state.num_computed = [], 0, end
         device = self.runner.device
         ids, features = torch.tensor(ids, device=device), self.head.fuse(torch.cat(feats))
         rest = torch.tensor(rest, device=device)
