@@ -19,9 +19,6 @@ from tidal.layers.sampler import draw, filter_logits
 from tidal.models.eagle3 import Eagle3Head
 from tidal.sequence import Sequence
 
-MAX_PENDING_VIEWS = 8  # see Eagle3Drafter.observe
-
-
 @dataclass
 class HeadState:
     """The head's part of one request: positions whose head KV is valid, and the target's
@@ -29,7 +26,6 @@ class HeadState:
 
     num_computed: int = 0
     features: list = field(default_factory=list)
-    views: int = 0  # trailing entries of `features` that are views of a step's features
 
 
 class Eagle3Drafter:
@@ -54,18 +50,10 @@ class Eagle3Drafter:
         self._states.pop(seq, None)
 
     def observe(self, seq: Sequence, features: torch.Tensor) -> None:
-        """Features of the target's verified tokens this step, in position order: a slice of the
-        step's features, a view that keeps the whole step's tensor alive (every request's rows,
-        prefill chunks too). While a request does not draft they pile up (in review, a paused
-        request's 120 views held 9.6 MB of step tensors for its own 94 kB), so every
-        `MAX_PENDING_VIEWS` trailing views are copied into one tensor of their own: at most that
-        many steps' tensors stay alive for a paused request, and each row is copied once."""
-        state = self.state(seq)
-        state.features.append(features)
-        state.views += 1
-        if state.views == MAX_PENDING_VIEWS:
-            state.features[-MAX_PENDING_VIEWS:] = [torch.cat(state.features[-MAX_PENDING_VIEWS:])]
-            state.views = 0
+        """Features of the target's verified tokens this step, in position order, copied out of
+        the step's features: a view would keep the whole step's tensor (every request's rows,
+        prefill chunks too) alive until this request drafts again."""
+        self.state(seq).features.append(features.clone())
 
     def available(self, seqs: list[Sequence], max_k: int) -> list[int]:
         return [max_k] * len(seqs)  # the head always drafts; what it gets right is only known after
@@ -113,7 +101,7 @@ class Eagle3Drafter:
             if end - 1 > start:
                 spans.append((seq, start, end - 1 - start))
             last.append((seq, end - 1, 1))
-            state.features, state.views, state.num_computed = [], 0, end
+            state.features, state.num_computed = [], end
         device = self.runner.device
         ids, features = torch.tensor(ids, device=device), self.head.fuse(torch.cat(feats))
         rest = torch.tensor(rest, device=device)
