@@ -9,7 +9,7 @@ from tidal import SamplingParams
 from tidal.config import CacheConfig, SchedulerConfig, SpecConfig
 from tidal.engine.llm_engine import LLM
 from tidal.speculative import verify
-from tidal.speculative.ngram import match_grade, ngram_match, ngram_propose
+from tidal.speculative.ngram import TokenIndex, match_grade, ngram_match, ngram_propose
 
 
 def test_ngram_proposes_the_continuation_of_the_latest_match():
@@ -218,3 +218,8 @@ def test_ngram_match_agrees_with_a_brute_force_search():
         tokens = [rng.randrange(rng.randint(2, 5)) for _ in range(rng.randint(1, 60))]
         k = rng.randint(1, 5)
         assert ngram_match(tokens, k) == naive(tokens, k), tokens
+    for _ in range(50):  # one index grown with the sequence, as the drafter keeps it per request
+        tokens, index = [], TokenIndex()
+        for _ in range(rng.randint(1, 80)):
+            tokens.append(rng.randrange(4))
+            assert ngram_match(tokens, 3, index=index) == naive(tokens, 3), tokens

@@ -2,43 +2,57 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from tidal.sequence import Sequence
 
 
-def ngram_propose(tokens: list[int] | np.ndarray, k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
+class TokenIndex:
+    """Where each token of one growing sequence occurs, all but its last token: a lookup starts
+    from the last token's earlier occurrences without scanning the sequence (the drafter looks
+    up every decoding request every step)."""
+
+    def __init__(self):
+        self.size = 0  # tokens indexed
+        self.at: dict[int, list[int]] = {}  # token -> its positions, in order
+
+    def update(self, tokens: list[int]) -> None:
+        at = self.at
+        for p in range(self.size, len(tokens) - 1):
+            at.setdefault(tokens[p], []).append(p)
+        self.size = max(self.size, len(tokens) - 1)
+
+
+def ngram_propose(tokens: list[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
     length max_n..min_n; empty when no suffix recurs."""
     return ngram_match(tokens, k, min_n, max_n)[0]
 
 
-def ngram_match(tokens: list[int] | np.ndarray, k: int, min_n: int = 2, max_n: int = 4,
-                longest: int = 16) -> tuple[list[int], int]:
+def ngram_match(tokens: list[int], k: int, min_n: int = 2, max_n: int = 4, longest: int = 16,
+                index: TokenIndex | None = None) -> tuple[list[int], int]:
     """ngram_propose's continuation, and how many tokens (up to `longest`) the matched
     occurrence shares with the sequence's end: the match extended backwards past max_n.
-    Found from the earlier occurrences of the last token, each extended backwards at once
-    (it runs for every decoding request every step: a sliding window per n cost 6x more)."""
-    arr = np.asarray(tokens)
-    last = len(arr) - 1
-    ends = np.flatnonzero(arr[:-1] == arr[-1]) if last >= min_n else arr[:0]  # candidate match ends
-    if not ends.size:
+    `index`: the sequence's TokenIndex, brought up to date here (None: a new one)."""
+    last = len(tokens) - 1
+    if last < min_n:
         return [], 0
-    length = np.ones(ends.size, dtype=np.int64)  # each candidate's match length, up to max_n
-    alive = np.ones(ends.size, dtype=bool)
-    for j in range(1, max_n):
-        before = ends - j
-        alive &= before >= 0
-        alive[alive] &= arr[before[alive]] == arr[last - j]
-        length += alive
-    best = int(length.max())
+    if index is None:
+        index = TokenIndex()
+    index.update(tokens)
+    best, end = 0, -1
+    for e in reversed(index.at.get(tokens[last], ())):  # the latest first: it wins ties
+        n = 1
+        while n < max_n and e - n >= 0 and tokens[e - n] == tokens[last - n]:
+            n += 1
+        if n > best:
+            best, end = n, e
+            if n == max_n:
+                break
     if best < min_n:
         return [], 0
-    end = int(ends[np.flatnonzero(length == best)[-1]])  # the latest of the longest
     n = best
-    while n < longest and end - n >= 0 and arr[end - n] == arr[last - n]:
+    while n < longest and end - n >= 0 and tokens[end - n] == tokens[last - n]:
         n += 1
-    return arr[end + 1:end + 1 + k].tolist(), n
+    return list(tokens[end + 1:end + 1 + k]), n
 
 
 def match_grade(length: int) -> int:
@@ -55,6 +69,7 @@ class NgramDrafter:
         self.min_n, self.max_n = min_n, max_n
         # request id -> (its length, continuation, match grade)
         self._found: dict[str, tuple[int, list[int], int]] = {}
+        self._index: dict[Sequence, TokenIndex] = {}
 
     def available(self, seqs: list[Sequence], max_k: int) -> list[int]:
         """Lengths of the continuations found now, kept for `propose` (which then only slices):
@@ -62,7 +77,10 @@ class NgramDrafter:
         their verify cost."""
         self._found = {}
         for s in seqs:
-            continuation, length = ngram_match(s.token_ids, max_k, self.min_n, self.max_n)
+            index = self._index.get(s)
+            if index is None:
+                index = self._index[s] = TokenIndex()
+            continuation, length = ngram_match(s.token_ids, max_k, self.min_n, self.max_n, index=index)
             self._found[s.request_id] = (s.num_tokens, continuation, match_grade(length))
         return [len(self._found[s.request_id][1]) for s in seqs]
 
@@ -74,7 +92,7 @@ class NgramDrafter:
         return 0  # stateless: nothing falls behind while a request does not draft
 
     def forget(self, seq: Sequence) -> None:
-        pass
+        self._index.pop(seq, None)
 
     def propose(self, seqs: list[Sequence], num_draft_tokens: list[int]):
         drafts = []
@@ -85,5 +103,5 @@ class NgramDrafter:
             elif found is not None and found[0] == s.num_tokens and len(found[1]) >= k:
                 drafts.append(found[1][:k])
             else:
-                drafts.append(ngram_propose(s.token_ids, k, self.min_n, self.max_n))
+                drafts.append(ngram_match(s.token_ids, k, self.min_n, self.max_n, index=self._index.get(s))[0])
         return drafts, None
