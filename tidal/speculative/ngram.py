@@ -89,7 +89,7 @@ class NgramDrafter:
         return found[2] if found is not None and found[0] == seq.num_tokens else 0
 
     def catch_up(self, seq: Sequence) -> int:
-        return 0  # stateless: nothing falls behind while a request does not draft
+        return 0  # nothing falls behind while a request does not draft (its index is read every step)
 
     def forget(self, seq: Sequence) -> None:
         self._index.pop(seq, None)
