@@ -2,16 +2,18 @@
 small steps; packages built once per set-up and loaded by later starts; a failed compile leaves
 the engine eager."""
 
+import gc
 import logging
 import os
+import tempfile
 
 import pytest
 import torch
 
 from tidal import SamplingParams
 from tidal.config import CacheConfig, SpecConfig
-from tidal.engine import model_runner
-from tidal.engine.compiled_step import InductorStep, PackagedStep
+from tidal.engine import model_runner, profile_cache
+from tidal.engine.compiled_step import InductorStep, PackagedStep, load_package
 from tidal.engine.llm_engine import LLM
 from tests.test_spec import REPEAT, repetitive_prompts
 
@@ -64,6 +66,25 @@ def test_packaged_steps_match_eager_greedy_on_the_tiny_model(tiny_model_dir, com
         monkeypatch.setitem(step.graphs, g, lambda *a, g=g, run=run: (calls.__setitem__(g, calls[g] + 1), run(*a))[1])
     assert_matches_eager(tiny_model_dir, compiled)
     assert all(calls.values()) and len(calls) == 4
+
+
+def test_a_loaded_package_leaves_no_copy_in_the_temp_folder(compiled, monkeypatch, tmp_path):
+    """torch's loader unpacks a package (weights included) under TMPDIR and deletes the copy only
+    in the model's destructor, which a killed server never runs."""
+    runner = compiled.engine.runner
+    runner.land_compiled(wait=True)
+    prompt = repetitive_prompts(1)
+    want = compiled.generate(prompt, [REPEAT])[0].token_ids
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    graph = load_package(profile_cache.cache_dir() / "compiled" / f"step-{runner.compiled_key}-one.pt2")
+    assert list(tmp_path.iterdir()) == [] and os.environ["TMPDIR"] == str(tmp_path)
+    calls = []
+    monkeypatch.setitem(runner.compiled.graphs, "one", lambda *a: (calls.append(1), graph(*a))[1])
+    assert compiled.generate(prompt, [REPEAT])[0].token_ids == want and calls  # runs with the copy gone
+    monkeypatch.undo()
+    del graph
+    gc.collect()  # its destructor finds its folder gone
 
 
 def test_a_second_start_loads_the_packages_and_other_threads_compile_anew(tiny_model_dir, compiled, monkeypatch):

@@ -16,6 +16,8 @@ INT4_MAX_TOKENS the dense weights win.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -111,6 +113,30 @@ def probe_cpu_isa() -> None:
         _isa_probe.start()
 
 
+_load_lock = threading.Lock()
+
+
+def load_package(path: Path):
+    """aoti_load_package, leaving no copy behind. The loader unpacks the package, weights and all
+    (150-300 MB a graph), into a folder under TMPDIR that only the loaded model's destructor
+    deletes, which a killed process never runs. The library is mapped once loaded, so the copy goes
+    into a folder of ours, deleted as soon as the load returns."""
+    from torch._inductor import aoti_load_package
+
+    with _load_lock:  # TMPDIR is the process's: one load at a time
+        folder = tempfile.mkdtemp(prefix="tidal-aoti-")
+        before = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = folder
+        try:
+            return aoti_load_package(str(path))
+        finally:
+            if before is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = before
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 class PackagedStep:
     """The graphs, loaded from their packages (those still compiling added as they land)."""
 
@@ -125,9 +151,7 @@ class PackagedStep:
         self.kv = tuple(t for pair in kv_caches for t in pair)
 
     def add(self, graph: str, path: Path) -> None:
-        from torch._inductor import aoti_load_package
-
-        self.graphs[graph] = aoti_load_package(str(path))
+        self.graphs[graph] = load_package(path)
 
     def covers(self, num_tokens: int) -> bool:
         return num_tokens <= self.MAX_TOKENS and graph_of(num_tokens) in self.graphs
