@@ -13,6 +13,9 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--launch-args", default=None, help='extra `tidal serve` arguments, e.g. "--dtype float32"')
     b.add_argument("--launch-threads", type=int, default=None,
                    help="compute threads per launched server (default: all cores but one)")
+    b.add_argument("--keep-servers", action="store_true",
+                   help="with --launch and --repeats: one server per mode for every pass (default: fresh "
+                        "servers for each pass, as one process's speed can differ from the next one's)")
     b.add_argument("--launch-timeout", type=float, default=300.0, help="seconds a launched server has to get ready")
     b.add_argument("--concurrency", default="1,2,4,8,16,32,64,128", help="levels: requests kept in flight")
     b.add_argument("--num-prompts", type=int, default=None,

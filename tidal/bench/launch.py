@@ -1,10 +1,12 @@
 """Local `tidal serve` processes for `tidal bench --launch`: started one after another on free
 loopback ports (so one's start-up, including the adaptive policy's timing profile, never
-competes with another's), stopped with SIGTERM then kill, whatever ends the sweep. Each writes
-its step-time log (`--step-log`) beside its server log, for `tidal sim --profile`."""
+competes with another's), stopped with SIGTERM then kill, whatever ends the sweep; started afresh
+for each pass of a sweep with repeats (see LaunchedServers). Each writes its step-time log
+(`--step-log`) beside its server log, for `tidal sim --profile`."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -56,8 +58,8 @@ class LocalServer:
         return self.log_path.read_text(errors="replace")[-chars:]
 
 
-def start_server(mode: str, extra_args: list[str], log_dir: Path, threads: int, timeout_s: float) -> LocalServer:
-    """Start `tidal serve` in `mode` and wait until /health answers 200."""
+def spawn_server(mode: str, extra_args: list[str], log_dir: Path, threads: int) -> LocalServer:
+    """Start `tidal serve` in `mode` on a free loopback port (not yet ready)."""
     port = free_port()
     log_path = log_dir / f"server-{mode.replace(':', '-')}-{port}.log"
     step_log = log_path.with_name(f"steps-{mode.replace(':', '-')}-{port}.csv")  # what tidal sim --profile reads
@@ -67,29 +69,46 @@ def start_server(mode: str, extra_args: list[str], log_dir: Path, threads: int, 
     with open(log_path, "wb") as log:
         # its own process group: the terminal's Ctrl-C reaches only the bench, which stops it
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0)
-    server = LocalServer(mode, f"http://127.0.0.1:{port}", proc, log_path)
-    try:
-        wait_ready(server, timeout_s)
-    except BaseException:
-        stop_servers([server])
-        raise
-    return server
+    return LocalServer(mode, f"http://127.0.0.1:{port}", proc, log_path)
 
 
-def wait_ready(server: LocalServer, timeout_s: float) -> None:
+async def wait_ready(server: LocalServer, timeout_s: float) -> None:
     """Poll /health until it answers 200; fail early, with the log, if the process exits."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"tidal serve ({server.name}) exited with {server.proc.returncode}:\n"
-                               f"{server.log_tail()}")
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
+    async with httpx.AsyncClient(timeout=2) as client:
+        while time.monotonic() < deadline:
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"tidal serve ({server.name}) exited with {server.proc.returncode}:\n"
+                                   f"{server.log_tail()}")
+            try:
+                if (await client.get(server.url + "/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.25)
     raise RuntimeError(f"tidal serve ({server.name}) not ready in {timeout_s:.0f}s:\n{server.log_tail()}")
+
+
+class LaunchedServers:
+    """One local server per mode. `start()` stops those running and starts each mode afresh, one
+    after another; a server is tracked from its spawn, so `stop()` also ends one still starting."""
+
+    def __init__(self, modes: list[str], extra_args: list[str], log_dir: Path, threads: int, timeout_s: float):
+        self.modes, self.extra_args, self.log_dir = modes, extra_args, log_dir
+        self.threads, self.timeout_s = threads, timeout_s
+        self.running: list[LocalServer] = []
+
+    async def start(self) -> list[Target]:
+        self.stop()
+        for mode in self.modes:
+            server = spawn_server(mode, self.extra_args, self.log_dir, self.threads)
+            self.running.append(server)
+            await wait_ready(server, self.timeout_s)
+        return [Target(s.name, s.url) for s in self.running]
+
+    def stop(self) -> None:
+        stop_servers(self.running)
+        self.running = []
 
 
 def stop_servers(servers: list[LocalServer], grace_s: float = 30.0) -> None:
@@ -114,16 +133,14 @@ def default_threads() -> int:
 
 @contextmanager
 def launched(modes: list[str], extra_args: list[str], log_dir: Path, threads: int | None = None,
-             timeout_s: float = 300.0) -> Iterator[list[Target]]:
-    """Targets for local servers in `modes`, started one at a time and stopped on exit
-    (normal end, error or Ctrl-C)."""
+             timeout_s: float = 300.0) -> Iterator[LaunchedServers]:
+    """Local servers in `modes` (started by their `start()`), stopped on exit (normal end, error
+    or Ctrl-C)."""
     for mode in modes:
         serve_args(mode)  # reject a bad mode before starting anything
     log_dir.mkdir(parents=True, exist_ok=True)
-    servers: list[LocalServer] = []
+    servers = LaunchedServers(modes, extra_args, log_dir, threads or default_threads(), timeout_s)
     try:
-        for mode in modes:
-            servers.append(start_server(mode, extra_args, log_dir, threads or default_threads(), timeout_s))
-        yield [Target(s.name, s.url) for s in servers]
+        yield servers
     finally:
-        stop_servers(servers)
+        servers.stop()

@@ -121,15 +121,16 @@ def main(args) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)  # launched servers must not outlive us
     try:
         with ExitStack() as stack:
+            pass_targets = None
             if launch_modes:
                 from tidal.bench.launch import launched
 
-                print(f"starting tidal serve: {', '.join(launch_modes)} (one at a time)", file=sys.stderr)
-                targets += stack.enter_context(launched(
+                servers = stack.enter_context(launched(
                     launch_modes, shlex.split(args.launch_args or ""), prefix.parent / f"{prefix.name}-logs",
                     args.launch_threads, args.launch_timeout))
+                pass_targets = _launching(targets, servers, not args.keep_servers, meta)
             meta["targets"] = {t.name: t.url for t in targets}
-            _run_sweep(targets, prompts, cfg, records, prefix, meta, args.no_progress)
+            _run_sweep(targets, prompts, cfg, records, prefix, meta, args.no_progress, pass_targets, len(names))
     except KeyboardInterrupt:
         stopped = "interrupted"
         print("\ninterrupted: writing what was measured so far", file=sys.stderr)
@@ -138,8 +139,24 @@ def main(args) -> int:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-        _write_outputs(records, [t.name for t in targets] or names, prefix, meta, args.journal, when, stopped)
+        _write_outputs(records, names, prefix, meta, args.journal, when, stopped)
     return EXIT_INTERRUPTED if stopped else 0
+
+
+def _launching(remote: list[Target], servers, fresh: bool, meta: dict):
+    """The sweep's `pass_targets`: `remote` plus the launched servers, started before the first
+    pass and, when `fresh`, again before every later one."""
+    launched: list[Target] = []
+
+    async def pass_targets(rep: int) -> list[Target]:
+        if rep == 0 or fresh:
+            again = " afresh" if rep else ""
+            print(f"starting tidal serve{again}: {', '.join(servers.modes)} (one at a time)", file=sys.stderr)
+            launched[:] = await servers.start()
+            meta["targets"] = {t.name: t.url for t in remote + launched}
+        return remote + launched
+
+    return pass_targets
 
 
 def _interrupt(*_) -> None:
@@ -161,8 +178,7 @@ def _config_record(args, cfg: SweepConfig) -> dict:
             "request_rate": cfg.request_rate, "dataset": args.dataset, "dataset_path": args.dataset_path,
             "input_len": args.input_len if args.dataset == "random" else None, "endpoint": cfg.endpoint,
             "temperature": cfg.temperature, "warmup": cfg.warmup, "repeats": cfg.repeats, "seed": cfg.seed,
-            "launch": args.launch,
-            "launch_args": args.launch_args}
+            "launch": args.launch, "launch_args": args.launch_args, "keep_servers": args.keep_servers}
 
 
 def _path(prefix: Path, ext: str) -> Path:
@@ -182,10 +198,11 @@ def _check_numbers(args) -> None:
             raise ValueError(f"{flag} must be > 0, got {value}")
 
 
-def _run_sweep(targets, prompts, cfg, records, prefix: Path, meta: dict, no_progress: bool) -> None:
+def _run_sweep(targets, prompts, cfg, records, prefix: Path, meta: dict, no_progress: bool, pass_targets,
+               num_targets: int) -> None:
     from tqdm import tqdm
 
-    total = len(targets) * cfg.repeats * sum(cfg.num_requests(c) for c in cfg.concurrency)
+    total = num_targets * cfg.repeats * sum(cfg.num_requests(c) for c in cfg.concurrency)
     with tqdm(total=total, unit="req", disable=True if no_progress else None, file=sys.stderr) as bar:
         shown = [""]
 
@@ -203,7 +220,7 @@ def _run_sweep(targets, prompts, cfg, records, prefix: Path, meta: dict, no_prog
             report.write_json(_path(prefix, ".json"), records, {**meta, "complete": False})
             report.write_csv(_path(prefix, ".csv"), records)
 
-        if asyncio.run(_stoppable(sweep(targets, prompts, cfg, records, on_request, on_record))):
+        if asyncio.run(_stoppable(sweep(targets, prompts, cfg, records, on_request, on_record, pass_targets))):
             raise KeyboardInterrupt
 
 

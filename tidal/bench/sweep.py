@@ -7,13 +7,15 @@ targets measured one after another differ by the drift (22-35% between two ident
 servers on a 2-core VM), and alternating spreads each target over the same stretches of time.
 Passes rather than each level's rounds back to back, so that each level too is spread over the
 whole run: a level measured in one slow or fast spell misleads a fit across levels (tidal sim
-calibrated on the other levels' step logs, benchmarks/sim_validation.py)."""
+calibrated on the other levels' step logs, benchmarks/sim_validation.py). Launched servers are
+started afresh for each pass (`pass_targets`), so a process that happens to run slow for its whole
+life weighs one pass, not all."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -78,19 +80,29 @@ def rotated(targets: list[Target], turn: int) -> list[Target]:
 
 async def sweep(targets: list[Target], prompts: list[str], cfg: SweepConfig, records: list[BenchRecord],
                 on_request: Callable[[str], None] = lambda _: None,
-                on_record: Callable[[BenchRecord], None] = lambda _: None) -> None:
+                on_record: Callable[[BenchRecord], None] = lambda _: None,
+                pass_targets: Callable[[int], Awaitable[list[Target]]] | None = None) -> None:
     """Run every level for every target, appending a record to `records` when a target's last
     round at a level ends (with `repeats` > 1, in the last pass); cancelled or failed, the rounds
     that finished still make records (a level's targets may then hold different numbers of
     rounds: each record's `windows` says how many). `on_request(description)` is called per
-    finished request, `on_record` per record."""
+    finished request, `on_record` per record. `pass_targets(pass)`, when given, replaces `targets`
+    with each pass's own (servers started afresh for it: the same names, new URLs); a target not
+    seen before is warmed up before the pass."""
     limits = httpx.Limits(max_connections=max(cfg.concurrency) + 8, max_keepalive_connections=max(cfg.concurrency) + 8)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     timeout = httpx.Timeout(cfg.timeout_s, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
-        for t in targets:
-            t.model = t.model or await discover_model(client, t.url)
-            await warm_up(client, t, prompts, cfg)
+        warmed: set[str] = set()
+
+        async def ready(these: list[Target]) -> list[Target]:
+            for t in these:
+                if t.url not in warmed:
+                    t.model = t.model or await discover_model(client, t.url)
+                    await warm_up(client, t, prompts, cfg)
+                    warmed.add(t.url)
+            return these
+
         runs: dict[tuple[str, int], list[Run]] = {}  # (target, level index): its finished rounds
 
         def emit(name: str, li: int) -> None:
@@ -100,8 +112,9 @@ async def sweep(targets: list[Target], prompts: list[str], cfg: SweepConfig, rec
 
         try:
             for rep in range(cfg.repeats):
+                these = await ready(targets if pass_targets is None else await pass_targets(rep))
                 for li, c in enumerate(cfg.concurrency):
-                    for t in rotated(targets, li + rep):
+                    for t in rotated(these, li + rep):
                         run = await run_level(client, t, prompts, cfg, c, on_request)
                         runs.setdefault((t.name, li), []).append(run)
                         if rep == cfg.repeats - 1:  # the target's last round: its record is complete
