@@ -90,6 +90,7 @@ class EngineCore:
         self.last_step_stats = stats
         gained = iter(results)
         sampled, decoding = [], []
+        observed, rows = [], []  # (seq, first position, count) verified, and their feature rows
         offset = 0
         for s in out.scheduled:
             seq = s.seq
@@ -105,7 +106,9 @@ class EngineCore:
             elif s.samples and self.policy is not None:
                 seq.spec.fade()  # a token without drafts: its acceptance estimate ages (SpecStats.fade)
             if features is not None:  # the verified positions' features, for the draft head
-                self.drafter.observe(seq, features[offset:offset + fed + max(0, len(tokens) - 1)])
+                n = fed + max(0, len(tokens) - 1)
+                observed.append((seq, seq.num_computed_tokens - n, n))
+                rows.append((offset, n))
             offset += s.num_new_tokens
             if not s.samples:
                 continue
@@ -115,9 +118,21 @@ class EngineCore:
                 decoding.append(seq)
             elif self.drafter is not None:
                 self.drafter.forget(seq)
+        if observed:
+            self._observe(observed, rows, features)
         if self.policy is not None and decoding:
             self._propose(decoding)
         return sampled
+
+    def _observe(self, observed: list, rows: list[tuple[int, int]], features) -> None:
+        """Hand the drafter the features of the positions verified this step, in one call (a
+        finished request's blocks are gone, and the head will not need its features)."""
+        keep = [i for i, (seq, _, n) in enumerate(observed) if n and not seq.is_finished]
+        if len(keep) == len(observed) and sum(n for _, n in rows) == len(features):
+            self.drafter.observe(observed, features)  # every row, in order: no gather
+        elif keep:
+            index = [r for i in keep for r in range(rows[i][0], rows[i][0] + rows[i][1])]
+            self.drafter.observe([observed[i] for i in keep], features[index])
 
     def _propose(self, seqs: list[Sequence]) -> None:
         """Drafts for the next step, as many per request as the policy chooses."""

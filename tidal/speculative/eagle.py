@@ -2,16 +2,18 @@
 extend a chain of up to k draft tokens per request, one head forward per draft position.
 
 The head's KV cache has one slot per target slot and shares the target's block tables, so
-draft position p of a request lives where the target's position p does. Features of the
-target's verified tokens wait in the request's HeadState until the next proposal, and
-the head runs over all of them then, in one ragged forward. A request that is not speculating
+draft position p of a request lives where the target's position p does. The target's features
+of each verified position wait in the same slot of a feature cache until the next proposal, and
+the head runs over all of them then, in one ragged forward. A cache, not tensors kept per request
+and step: thousands of small long-lived tensors (64 requests paused for a hundred steps) scatter
+the allocator's heap, and the target's own steps slowed down as they piled up. A request that is not speculating
 (k = 0) is skipped: its features pile up and are caught up lazily, in that one forward, the
 next time it drafts, so a pause in speculation costs the head nothing while it lasts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -21,11 +23,10 @@ from tidal.sequence import Sequence
 
 @dataclass
 class HeadState:
-    """The head's part of one request: positions whose head KV is valid, and the target's
-    features it has not seen yet."""
+    """The head's part of one request: positions whose head KV is valid (the features of the
+    positions after them wait in the drafter's feature cache)."""
 
     num_computed: int = 0
-    features: list = field(default_factory=list)
 
 
 class Eagle3Drafter:
@@ -36,6 +37,7 @@ class Eagle3Drafter:
         c = head.cfg.layer
         shape = (runner.num_blocks * runner.block_size, c.num_kv_heads, c.head_dim)
         self.kv = (runner.cache_zeros(shape), runner.cache_zeros(shape))
+        self.features = runner.cache_zeros((shape[0], 3 * head.cfg.target_hidden_size))  # per slot
         self.aux_layers = head.cfg.target_output_layers
         self._states: dict[Sequence, HeadState] = {}
 
@@ -49,11 +51,11 @@ class Eagle3Drafter:
         """`seq` was preempted (its head KV went with its blocks) or ended."""
         self._states.pop(seq, None)
 
-    def observe(self, seq: Sequence, features: torch.Tensor) -> None:
-        """Features of the target's verified tokens this step, in position order, copied out of
-        the step's features: a view would keep the whole step's tensor (every request's rows,
-        prefill chunks too) alive until this request drafts again."""
-        self.state(seq).features.append(features.clone())
+    def observe(self, spans: list[tuple[Sequence, int, int]], features: torch.Tensor) -> None:
+        """The target's features of the positions each (seq, first position, count) verified
+        this step, `features` their rows in that order, kept in those positions' slots."""
+        _, slots = self.runner.slots(spans)
+        self.features[slots] = features
 
     def available(self, seqs: list[Sequence], max_k: int) -> list[int]:
         return [max_k] * len(seqs)  # the head always drafts; what it gets right is only known after
@@ -96,14 +98,15 @@ class Eagle3Drafter:
             state = self.state(seq)
             start, end = state.num_computed, seq.num_computed_tokens
             ids.extend(seq.token_ids[start + 1:end + 1])  # the head pairs feature p with token p + 1
-            feats.append(torch.cat(state.features))
+            feats.append((seq, start, end - start))
             rest.extend([True] * (end - 1 - start) + [False])
             if end - 1 > start:
                 spans.append((seq, start, end - 1 - start))
             last.append((seq, end - 1, 1))
-            state.features, state.num_computed = [], end
+            state.num_computed = end
         device = self.runner.device
-        ids, features = torch.tensor(ids, device=device), self.head.fuse(torch.cat(feats))
+        ids = torch.tensor(ids, device=device)
+        features = self.head.fuse(self.features[self.runner.slots(feats)[1]])
         rest = torch.tensor(rest, device=device)
         if spans:
             positions, slots = self.runner.slots(spans)
