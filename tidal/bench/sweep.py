@@ -7,9 +7,9 @@ targets measured one after another differ by the drift (22-35% between two ident
 servers on a 2-core VM), and alternating spreads each target over the same stretches of time.
 Passes rather than each level's rounds back to back, so that each level too is spread over the
 whole run: a level measured in one slow or fast spell misleads a fit across levels (tidal sim
-calibrated on the other levels' step logs, benchmarks/sim_validation.py). Launched servers are
-started afresh for each pass (`pass_targets`), so a process that happens to run slow for its whole
-life weighs one pass, not all."""
+calibrated on the other levels' step logs, benchmarks/sim_validation.py). `tidal bench --launch`
+starts its servers afresh for each pass (`pass_targets`; not with --keep-servers), so a process
+that happens to run slow for its whole life weighs one pass, not all."""
 
 from __future__ import annotations
 
