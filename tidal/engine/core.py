@@ -127,7 +127,7 @@ class EngineCore:
     def _observe(self, observed: list, rows: list[tuple[int, int]], features) -> None:
         """Hand the drafter the features of the positions verified this step, in one call (a
         finished request's blocks are gone, and the head will not need its features)."""
-        keep = [i for i, (seq, _, n) in enumerate(observed) if n and not seq.is_finished]
+        keep = [i for i, (seq, _, _) in enumerate(observed) if not seq.is_finished]
         if len(keep) == len(observed) and sum(n for _, n in rows) == len(features):
             self.drafter.observe(observed, features)  # every row, in order: no gather
         elif keep:

@@ -4,11 +4,12 @@ extend a chain of up to k draft tokens per request, one head forward per draft p
 The head's KV cache has one slot per target slot and shares the target's block tables, so
 draft position p of a request lives where the target's position p does. The target's features
 of each verified position wait in the same slot of a feature cache until the next proposal, and
-the head runs over all of them then, in one ragged forward. A cache, not tensors kept per request
-and step: thousands of small long-lived tensors (64 requests paused for a hundred steps) scatter
-the allocator's heap, and the target's own steps slowed down as they piled up. A request that is not speculating
-(k = 0) is skipped: its features pile up and are caught up lazily, in that one forward, the
-next time it drafts, so a pause in speculation costs the head nothing while it lasts.
+the head runs over all of them then, in one ragged forward. A cache, not tensors kept per
+request and step: thousands of small long-lived tensors (64 requests paused for a hundred steps)
+scatter the allocator's heap, and the target's own steps slowed down as they piled up. A request
+that is not speculating (k = 0) is skipped: its features wait and are caught up lazily, in that
+one forward, the next time it drafts, so a pause in speculation costs the head nothing while it
+lasts.
 """
 
 from __future__ import annotations
@@ -93,24 +94,22 @@ class Eagle3Drafter:
         later drafts attend to), so they get the input projections and a cache write, not the
         whole layer and the draft-vocab logits: about a fifth of the multiply-adds per position
         for the bundled model's head (fc + qkv against the layer, MLP and 8192-row lm_head)."""
-        ids, feats, rest, spans, last = [], [], [], [], []
+        ids, feats, rest, last = [], [], [], []
         for seq in seqs:
             state = self.state(seq)
             start, end = state.num_computed, seq.num_computed_tokens
             ids.extend(seq.token_ids[start + 1:end + 1])  # the head pairs feature p with token p + 1
             feats.append((seq, start, end - start))
             rest.extend([True] * (end - 1 - start) + [False])
-            if end - 1 > start:
-                spans.append((seq, start, end - 1 - start))
             last.append((seq, end - 1, 1))
             state.num_computed = end
         device = self.runner.device
         ids = torch.tensor(ids, device=device)
-        features = self.head.fuse(self.features[self.runner.slots(feats)[1]])
+        positions, slots = self.runner.slots(feats)  # every unseen position: its features and its KV
+        features = self.head.fuse(self.features[slots])
         rest = torch.tensor(rest, device=device)
-        if spans:
-            positions, slots = self.runner.slots(spans)
-            self.head.write_kv(ids[rest], features[rest], positions, self.kv, slots)
+        if len(ids) > len(seqs):  # positions before the last ones: their K/V only
+            self.head.write_kv(ids[rest], features[rest], positions[rest], self.kv, slots[rest])
         positions, meta = self.runner.metadata(last)
         return self.head(ids[~rest], features[~rest], positions, self.kv, meta)
 
