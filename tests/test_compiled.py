@@ -6,6 +6,8 @@ import gc
 import logging
 import os
 import tempfile
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,6 +117,23 @@ def test_packages_of_set_ups_unused_for_a_week_are_pruned(tmp_path):
     assert model_runner.prune_packages(tmp_path, now - model_runner.PACKAGE_MAX_IDLE_S) == ["old"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".step-recent-few.123.pt2", "step-recent-many.pt2", "step-recent-one.pt2",
                                                           "step-recent.lock"]
+
+
+def test_compiling_a_package_leaves_no_copy_of_its_library_in_inductors_cache(tiny_model_dir, monkeypatch, tmp_path):
+    """Inductor keeps each library it builds (weights and all) in its cache (under the temp folder
+    by default), where nothing deletes it; once the package holds it, that copy goes (the kernels
+    stay)."""
+    cache = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # the worker's
+    package = tmp_path / "step-one.pt2"
+    model_runner._run_workers([{"model": str(tiny_model_dir), "dtype": "float32", "device": "cpu",
+                                "threads": torch.get_num_threads(), "aux_layers": [], "block_size": 4,
+                                "graph": "one", "path": str(package)}])
+    with zipfile.ZipFile(package) as z:
+        (library,) = [Path(n).name for n in z.namelist() if n.endswith(".so")]
+    cached = [p.name for p in cache.rglob("*") if p.is_file()]
+    assert any(name.endswith(".kernel.cpp") for name in cached)  # the compile did use that cache
+    assert not [name for name in cached if name.split(".")[0] == library.split(".")[0]]
 
 
 def test_a_failed_compile_leaves_the_engine_eager(tiny_model_dir, monkeypatch, caplog):

@@ -13,6 +13,7 @@ import subprocess
 import time
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -445,3 +446,19 @@ def build_package(job_json: str) -> None:
     args = flat_args(ids, positions, meta, torch.tensor(rows, device=device),
                      tuple(t for pair in runner.kv_caches for t in pair))
     compile_package(StepGraph(model, tuple(job["aux_layers"])).eval(), args, job["graph"], Path(job["path"]))
+    drop_inductor_copy(Path(job["path"]))
+
+
+def drop_inductor_copy(package: Path) -> None:
+    """Delete inductor's own copy of the library that `package` holds (its source and metadata
+    too). Inductor keeps each library it builds, weights and all (150-300 MB a graph), in its
+    cache under the temp folder, where nothing deletes it; a set-up compiles once and loads its
+    package, so the copy is never read. The cached kernels and tuning results (small, and what
+    makes a later compile faster) stay."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    with zipfile.ZipFile(package) as z:
+        stems = {Path(n).name.split(".")[0] for n in z.namelist() if n.endswith(".so")}
+    for stem in stems:
+        for copy in Path(cache_dir()).glob(f"*/{stem}.*"):
+            copy.unlink(missing_ok=True)
