@@ -5,6 +5,8 @@ the engine eager."""
 import gc
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -87,6 +89,19 @@ def test_a_loaded_package_leaves_no_copy_in_the_temp_folder(compiled, monkeypatc
     monkeypatch.undo()
     del graph
     gc.collect()  # its destructor finds its folder gone
+
+
+def test_a_start_from_cached_packages_imports_neither_inductor_nor_dynamo(tiny_model_dir, compiled):
+    """Their imports are over a second of a start, and loading a package needs neither."""
+    compiled.engine.runner.land_compiled(wait=True)
+    code = ("import sys; from tidal import LLM; from tidal.config import CacheConfig, SpecConfig; "
+            "llm = LLM(sys.argv[1], dtype='float32', cache=CacheConfig(block_size=4, num_blocks=512), "
+            "spec=SpecConfig(method='ngram', num_speculative_tokens=3, mode='fixed')); "
+            "print(sorted(llm.engine.runner.compiled.graphs), [m for m in ('torch._inductor', 'torch._dynamo') "
+            "if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir)], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})  # the same set-up
+    assert out.stdout.splitlines()[-1] == "['few', 'many', 'one', 'wide'] []"
 
 
 def test_a_second_start_loads_the_packages_and_other_threads_compile_anew(tiny_model_dir, compiled, monkeypatch):

@@ -97,38 +97,35 @@ def compile_package(module: StepGraph, args: tuple, graph: str, path: Path) -> N
     tmp.replace(path)
 
 
-_isa_probe: threading.Thread | None = None
-
-
-def probe_cpu_isa() -> None:
-    """Start inductor's probe of the CPU's vector ISA in a thread. Loading a package needs it, and
-    it builds and loads a test program per ISA (about a second), so it is started before the
-    weights load and overlaps them."""
-    global _isa_probe
-    if _isa_probe is None:
-        # imported here, not in the thread: an import holds the GIL, and would slow the weights' load
-        from torch._inductor.cpu_vec_isa import valid_vec_isa_list  # cached once answered
-
-        _isa_probe = threading.Thread(target=valid_vec_isa_list, name="tidal-isa-probe", daemon=True)
-        _isa_probe.start()
-
-
 _load_lock = threading.Lock()
 
 
-def load_package(path: Path):
-    """aoti_load_package, leaving no copy behind. The loader unpacks the package, weights and all
-    (150-300 MB a graph), into a folder under TMPDIR that only the loaded model's destructor
-    deletes, which a killed process never runs. The library is mapped once loaded, so the copy goes
-    into a folder of ours, deleted as soon as the load returns."""
-    from torch._inductor import aoti_load_package
+class LoadedPackage:
+    """A package loaded by torch's own C++ loader, called with the step's flat tensors; returns
+    the outputs as a list. Not through torch's Python wrapper (`aoti_load_package`): that imports
+    inductor, and through it dynamo (over a second of a start), only to compare the device the
+    package was built for, which the compile key already pins; and it re-reads the call's tree
+    specs on every step."""
 
+    def __init__(self, path: Path):
+        # the package's one model, for this machine's CPU (-1: no device index)
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+
+    def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
+        return self.loader.boxed_run(list(args))
+
+
+def load_package(path: Path) -> LoadedPackage:
+    """Load a package, leaving no copy behind. The loader unpacks it, weights and all (150-300 MB
+    a graph), into a folder under TMPDIR that only the loaded model's destructor deletes, which a
+    killed process never runs. The library is mapped once loaded, so the copy goes into a folder
+    of ours, deleted as soon as the load returns."""
     with _load_lock:  # TMPDIR is the process's: one load at a time
         folder = tempfile.mkdtemp(prefix="tidal-aoti-")
         before = os.environ.get("TMPDIR")
         os.environ["TMPDIR"] = folder
         try:
-            return aoti_load_package(str(path))
+            return LoadedPackage(path)
         finally:
             if before is None:
                 del os.environ["TMPDIR"]
@@ -143,8 +140,6 @@ class PackagedStep:
     MAX_TOKENS = COMPILED_MAX_TOKENS
 
     def __init__(self, paths: dict[str, Path], kv_caches: list[tuple]):
-        if _isa_probe is not None:
-            _isa_probe.join()  # one probe, not two racing
         self.graphs = {}
         for g, p in paths.items():
             self.add(g, p)

@@ -16,9 +16,8 @@ from tidal.adaptive.policy import SpecPolicy, parse_schedule
 from tidal.config import EngineConfig, SpecConfig
 from tidal.engine import profile_cache
 from tidal.engine.block_manager import BlockManager
-from tidal.engine.compiled_step import probe_cpu_isa
 from tidal.engine.core import EngineCore
-from tidal.engine.model_runner import PACKAGED_DEVICES, ModelRunner
+from tidal.engine.model_runner import ModelRunner
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.step_log import StepLog
 from tidal.layers.linear import INT4_MAX_TOKENS, INT4_ROW_TILE
@@ -114,8 +113,6 @@ class LLMEngine(EngineCore):
         self.device = resolve_device(config.device)
         self.dtype = default_dtype(self.device) if config.dtype == "auto" else _DTYPES[config.dtype]
         start = time.perf_counter()
-        if not config.enforce_eager and self.device.type in PACKAGED_DEVICES:
-            probe_cpu_isa()
         with _phase("load"):
             loaded = loader.load(config.model)
             self.model_name = loaded.name
