@@ -5,6 +5,8 @@
 llama.cpp's `llama-server` and `llama-bench` are built from the source inside the llama-cpp-python
 sdist (the release pip installed for the bundled model), once, under the user's cache directory.
 Then, for each thread count:
+- start-up: seconds from launch to /health of llama-server and of `tidal serve` (defaults, its
+  compiled steps and profile cached), taking turns (`--startup-rounds`; `--startup-only`);
 - offline, one request: `llama-bench` tg (its own timing, no HTTP) against tidal's `LLM.generate`
   of the same number of greedy tokens (speculation off, and the default adaptive EAGLE-3), the
   engines taking turns round by round; llama.cpp as its server runs (`--repack 0`) and with its
@@ -13,7 +15,7 @@ Then, for each thread count:
   targets taking turns at each level (`--repeats`); and at one request llama-server drafting with
   tidal's shipped EAGLE-3 head (`--spec-type draft-eagle3`, llama.cpp's default draft length, one
   slot), the head converted by llama.cpp's own `convert_hf_to_gguf.py` (needs sentencepiece).
-Prints one table of ratios to llama.cpp. `--quick`: one request only.
+Prints the start-up times and one table of ratios to llama.cpp. `--quick`: one request only.
 """
 
 from __future__ import annotations
@@ -260,6 +262,61 @@ def servers(bin_dir: Path, gguf: Path, threads: int, levels: list[int], tokens: 
     return {(r["target"], r["concurrency"]): r["output_tok_s"] for r in records}
 
 
+# ------------------------------------------------------------------ start-up
+
+
+def _seconds_to_health(cmd: list[str], url: str, log: Path, env: dict | None = None) -> float:
+    """Seconds from launching `cmd` to `url`/health answering 200; the server is then stopped."""
+    with open(log, "ab") as f:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        return time.perf_counter() - start
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.02)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+
+
+def startup(bin_dir: Path, gguf: Path, threads: int, rounds: int, out: Path) -> dict[str, float]:
+    """Median seconds from launch to /health of llama-server and of `tidal serve` (its defaults:
+    adaptive EAGLE-3), taking turns; tidal's compiled steps and start-up profile are cached by one
+    start before the rounds, as on any start after the first."""
+    from tidal.bench.launch import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    log = out.with_name(out.name + "-startup.log")
+
+    def llama() -> float:
+        port = free_port()
+        return _seconds_to_health([str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port",
+                                   str(port), "-t", str(threads), "-tb", str(threads), "--no-repack", "--no-webui"],
+                                  f"http://127.0.0.1:{port}", log)
+
+    def tidal() -> float:
+        port = free_port()
+        return _seconds_to_health([sys.executable, "-m", "tidal.cli", "serve", "--port", str(port), "--wait-compiled"],
+                                  f"http://127.0.0.1:{port}", log, env)
+
+    first = tidal()
+    print(f"peers: start-up t={threads}: tidal's first start {first:.1f} s (compiles and profiles if not cached)",
+          file=sys.stderr)
+    times: dict[str, list[float]] = {"llama-server": [], "tidal serve": []}
+    for r in range(rounds):
+        for name, start in (("llama-server", llama), ("tidal serve", tidal))[:: 1 if r % 2 == 0 else -1]:
+            times[name].append(start())
+        print(f"peers: start-up t={threads} round {r + 1}: "
+              + ", ".join(f"{n} {v[-1]:.2f} s" for n, v in times.items()), file=sys.stderr)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -273,6 +330,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="one request only (offline and concurrency 1)")
     ap.add_argument("--output", default="bench-results/peers", help="prefix of the bench outputs and JSON")
     ap.add_argument("--eager", action="store_true", help="tidal with --enforce-eager too, offline")
+    ap.add_argument("--startup-rounds", type=int, default=5, help="launches of each server, timed to /health")
+    ap.add_argument("--startup-only", action="store_true", help="only the start-up rounds")
     args = ap.parse_args()
     from tidal.models.loader import default_model_path
 
@@ -283,7 +342,13 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict = {"llama_cpp": metadata.version(PEER_PACKAGE), "gguf": gguf.name, "offline": {}, "servers": {}}
     rows = []
+    starts = {}
     for t in map(int, args.threads.split(",")):
+        if args.startup_rounds:
+            starts[t] = startup(bin_dir, gguf, t, args.startup_rounds, out.with_name(f"{out.name}-t{t}"))
+            result.setdefault("startup", {})[t] = starts[t]
+        if args.startup_only:
+            continue
         off = offline(bin_dir, gguf, t, args.output_len, args.rounds, args.eager)
         result["offline"][t] = off
         for peer in ("llama.cpp", "llama.cpp repacked"):
@@ -298,6 +363,15 @@ def main() -> int:
             rows.append((t, "server 1, llama.cpp draft-eagle3", srv[("llama-server-eagle3", 1)], srv[("off", 1)],
                          srv[("adaptive", 1)]))
     out.with_name(out.name + ".json").write_text(json.dumps(result, indent=1))
+    if starts:
+        print(f"\n# start-up, launch to /health answering, median of {args.startup_rounds} launches each")
+        print("| threads | llama-server s | tidal serve s | tidal / llama-server |")
+        print("|---|---|---|---|")
+        for t, st in starts.items():
+            print(f"| {t} | {st['llama-server']:.2f} | {st['tidal serve']:.2f} | "
+                  f"{st['tidal serve'] / st['llama-server']:.2f}x |")
+    if not rows:
+        return 0
     print(f"\n# tidal vs llama.cpp {result['llama_cpp']} on {gguf.name}, {args.output_len} greedy tokens a request")
     print("| threads | where, requests | llama.cpp tok/s | tidal off tok/s | tidal adaptive tok/s "
           "| off / llama.cpp | adaptive / llama.cpp |")
