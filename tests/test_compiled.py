@@ -2,14 +2,11 @@
 small steps; packages built once per set-up and loaded by later starts; a failed compile leaves
 the engine eager."""
 
-import gc
 import logging
 import os
 import subprocess
 import sys
 import tempfile
-import zipfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +14,7 @@ import torch
 from tidal import SamplingParams
 from tidal.config import CacheConfig, SpecConfig
 from tidal.engine import model_runner, profile_cache
-from tidal.engine.compiled_step import InductorStep, PackagedStep, load_package
+from tidal.engine.compiled_step import InductorStep, LoadedPackage, PackagedStep
 from tidal.engine.llm_engine import LLM
 from tests.test_spec import REPEAT, repetitive_prompts
 
@@ -72,23 +69,21 @@ def test_packaged_steps_match_eager_greedy_on_the_tiny_model(tiny_model_dir, com
     assert all(calls.values()) and len(calls) == 4
 
 
-def test_a_loaded_package_leaves_no_copy_in_the_temp_folder(compiled, monkeypatch, tmp_path):
-    """torch's loader unpacks a package (weights included) under TMPDIR and deletes the copy only
-    in the model's destructor, which a killed server never runs."""
+def test_a_package_loads_in_place_writing_nothing_to_the_temp_folder(compiled, monkeypatch, tmp_path):
+    """torch's archive loader unpacked a package (weights included) under TMPDIR on every start
+    and deleted the copy only in the model's destructor, which a killed server never runs; a
+    package is now the library alone, loaded where it lies."""
     runner = compiled.engine.runner
     runner.land_compiled(wait=True)
     prompt = repetitive_prompts(1)
     want = compiled.generate(prompt, [REPEAT])[0].token_ids
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
-    graph = load_package(profile_cache.cache_dir() / "compiled" / f"step-{runner.compiled_key}-one.pt2")
-    assert list(tmp_path.iterdir()) == [] and os.environ["TMPDIR"] == str(tmp_path)
+    graph = LoadedPackage(profile_cache.cache_dir() / "compiled" / f"step-{runner.compiled_key}-one.so")
+    assert list(tmp_path.iterdir()) == []
     calls = []
     monkeypatch.setitem(runner.compiled.graphs, "one", lambda *a: (calls.append(1), graph(*a))[1])
-    assert compiled.generate(prompt, [REPEAT])[0].token_ids == want and calls  # runs with the copy gone
-    monkeypatch.undo()
-    del graph
-    gc.collect()  # its destructor finds its folder gone
+    assert compiled.generate(prompt, [REPEAT])[0].token_ids == want and calls
 
 
 def test_a_start_from_cached_packages_imports_neither_inductor_nor_dynamo(tiny_model_dir, compiled):
@@ -124,14 +119,16 @@ def test_a_second_start_loads_the_packages_and_other_threads_compile_anew(tiny_m
 def test_packages_of_set_ups_unused_for_a_week_are_pruned(tmp_path):
     now = 1_000_000_000.0
     for key, age_days in (("old", 8), ("recent", 6)):
-        for name in (f"step-{key}.lock", f"step-{key}-one.pt2", f"step-{key}-many.pt2"):
+        for name in (f"step-{key}.lock", f"step-{key}-one.so", f"step-{key}-many.so", f"step-{key}-few.pt2"):
             (tmp_path / name).write_bytes(b"x")
         os.utime(tmp_path / f"step-{key}.lock", (now - age_days * 86400,) * 2)
-        (tmp_path / f".step-{key}-few.123.pt2").write_bytes(b"x")  # a killed worker's partial write
-        os.utime(tmp_path / f".step-{key}-few.123.pt2", (now - age_days * 86400,) * 2)
+        for partial in (f".step-{key}-wide.123.pt2", f".step-{key}-wide.123.so"):  # a killed worker's
+            (tmp_path / partial).write_bytes(b"x")
+            os.utime(tmp_path / partial, (now - age_days * 86400,) * 2)
     assert model_runner.prune_packages(tmp_path, now - model_runner.PACKAGE_MAX_IDLE_S) == ["old"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".step-recent-few.123.pt2", "step-recent-many.pt2", "step-recent-one.pt2",
-                                                          "step-recent.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step-recent-wide.123.pt2", ".step-recent-wide.123.so",
+                                                          "step-recent-few.pt2", "step-recent-many.so",
+                                                          "step-recent-one.so", "step-recent.lock"]
 
 
 def test_compiling_a_package_leaves_no_copy_of_its_library_in_inductors_cache(tiny_model_dir, monkeypatch, tmp_path):
@@ -140,15 +137,14 @@ def test_compiling_a_package_leaves_no_copy_of_its_library_in_inductors_cache(ti
     stay)."""
     cache = tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))  # the worker's
-    package = tmp_path / "step-one.pt2"
+    package = tmp_path / "step-one.so"
     model_runner._run_workers([{"model": str(tiny_model_dir), "dtype": "float32", "device": "cpu",
                                 "threads": torch.get_num_threads(), "aux_layers": [], "block_size": 4,
                                 "graph": "one", "path": str(package)}])
-    with zipfile.ZipFile(package) as z:
-        (library,) = [Path(n).name for n in z.namelist() if n.endswith(".so")]
+    assert [p.name for p in tmp_path.iterdir() if p.is_file()] == [package.name]  # no archive, no partial file
     cached = [p.name for p in cache.rglob("*") if p.is_file()]
     assert any(name.endswith(".kernel.cpp") for name in cached)  # the compile did use that cache
-    assert not [name for name in cached if name.split(".")[0] == library.split(".")[0]]
+    assert not [name for name in cached if ".wrapper." in name]  # the library, its source, its metadata
 
 
 def test_a_failed_compile_leaves_the_engine_eager(tiny_model_dir, monkeypatch, caplog):

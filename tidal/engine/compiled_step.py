@@ -7,9 +7,9 @@ All take the step as one padded attention group. The token ranges are split wher
 changes: inductor tunes each graph's kernels at its example size; its 4-bit AMX kernel, the
 fastest from 5 rows, costs as much at 2 rows as at 8, twice the vector kernel's cost there; past
 INT4_MAX_TOKENS the dense weights win.
-- CPU: each graph is exported and compiled by AOTInductor into a package on disk, weights frozen
-  into it (so inductor uses its own low-bit GEMM kernels); a later start loads the packages in
-  about a second instead of compiling for a minute.
+- CPU: each graph is exported and compiled by AOTInductor into a shared library on disk (its
+  package), weights frozen into it (so inductor uses its own low-bit GEMM kernels); a later start
+  loads the libraries in under a second instead of compiling for a minute.
 - CUDA: torch.compile in mode max-autotune, which records CUDA graphs (AOTInductor does not).
 """
 
@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
-import threading
+import zipfile
 from pathlib import Path
 
 import torch
@@ -85,53 +84,47 @@ def dynamic_shapes(graph: str, num_kv: int) -> tuple:
             {0: seqs, 2: queries, 3: keys}, {0: tokens}, {0: tokens}, {0: rows}, kv)
 
 
-def compile_package(module: StepGraph, args: tuple, graph: str, path: Path) -> None:
-    """Export `module` at the example `args` and compile it to an AOTInductor package at `path`,
-    written whole or not at all."""
+def compile_package(module: StepGraph, args: tuple, graph: str, path: Path) -> str:
+    """Export `module` at the example `args` and compile it with AOTInductor into the shared
+    library at `path` (the step's package: weights inside), written whole or not at all. Returns
+    the name inductor gave the library (its cache keeps a copy under that name). AOTInductor
+    writes a .pt2 archive around the library; the library alone is kept, so that a start loads it
+    in place instead of unpacking the archive (300 MB a graph) to a temp folder each time."""
     from torch._inductor import aoti_compile_and_package
 
     with torch.no_grad():
         program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(graph, len(args) - 9), strict=False)
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
-        aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=PACKAGE_CONFIG)
-    tmp.replace(path)
-
-
-_load_lock = threading.Lock()
+        archive = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
+        aoti_compile_and_package(program, package_path=str(archive), inductor_configs=PACKAGE_CONFIG)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}{path.suffix}")
+    try:
+        with zipfile.ZipFile(archive) as z:
+            model = [n for n in z.namelist() if "/data/aotinductor/model/" in n]
+            (library,) = [n for n in model if n.endswith(".so")]
+            # anything but the library, its sources and metadata (separate weights, a custom-op
+            # executor's spec) would be lost with the archive
+            if extra := [n for n in model if not n.endswith((".so", ".cpp", "_metadata.json"))]:
+                raise RuntimeError(f"the compiled step needs files beside its library: {extra}")
+            with z.open(library) as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        tmp.replace(path)
+    finally:
+        archive.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+    return Path(library).name
 
 
 class LoadedPackage:
-    """A package loaded by torch's own C++ loader, called with the step's flat tensors; returns
-    the outputs as a list. Not through torch's Python wrapper (`aoti_load_package`): that imports
-    inductor, and through it dynamo (over a second of a start), only to compare the device the
-    package was built for, which the compile key already pins; and it re-reads the call's tree
-    specs on every step."""
+    """A step's library loaded in place by torch's C++ runner, called with the step's flat
+    tensors; returns the outputs as a list. Not through torch's Python loader
+    (`aoti_load_package`), which imports inductor and dynamo (over a second of a start) only to
+    compare the device the package was built for, which the compile key already pins."""
 
     def __init__(self, path: Path):
-        # the package's one model, for this machine's CPU (-1: no device index)
-        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)  # one model instance
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
-        return self.loader.boxed_run(list(args))
-
-
-def load_package(path: Path) -> LoadedPackage:
-    """Load a package, leaving no copy behind. The loader unpacks it, weights and all (150-300 MB
-    a graph), into a folder under TMPDIR that only the loaded model's destructor deletes, which a
-    killed process never runs. The library is mapped once loaded, so the copy goes into a folder
-    of ours, deleted as soon as the load returns."""
-    with _load_lock:  # TMPDIR is the process's: one load at a time
-        folder = tempfile.mkdtemp(prefix="tidal-aoti-")
-        before = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = folder
-        try:
-            return LoadedPackage(path)
-        finally:
-            if before is None:
-                del os.environ["TMPDIR"]
-            else:
-                os.environ["TMPDIR"] = before
-            shutil.rmtree(folder, ignore_errors=True)
+        return self.runner.run(list(args))
 
 
 class PackagedStep:
@@ -146,7 +139,7 @@ class PackagedStep:
         self.kv = tuple(t for pair in kv_caches for t in pair)
 
     def add(self, graph: str, path: Path) -> None:
-        self.graphs[graph] = load_package(path)
+        self.graphs[graph] = LoadedPackage(path)
 
     def covers(self, num_tokens: int) -> bool:
         return num_tokens <= self.MAX_TOKENS and graph_of(num_tokens) in self.graphs

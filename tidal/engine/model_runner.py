@@ -13,7 +13,6 @@ import subprocess
 import time
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -281,7 +280,7 @@ class ModelRunner:
                                     "cpu": torch.backends.cpu.get_cpu_capability(), "max_tokens": COMPILED_MAX_TOKENS})
         self.compiled_key = key
         directory = profile_cache.cache_dir() / "compiled"
-        paths = {g: directory / f"step-{key}-{g}.pt2" for g in GRAPHS}
+        paths = {g: directory / f"step-{key}-{g}.so" for g in GRAPHS}
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / f"step-{key}.lock", "w") as lock:
             try:  # a start with the same key waits for the one compiling, then loads
@@ -382,13 +381,13 @@ def prune_packages(directory: Path, unused_since: float) -> list[str]:
     """Delete the packages of every set-up whose lock was last touched before `unused_since`
     (seconds since the epoch); returns the deleted set-ups' keys."""
     pruned = []
-    for partial in directory.glob(".step-*.pt2"):  # a worker killed while writing leaves its temp file
+    for partial in directory.glob(".step-*"):  # a worker killed while writing leaves its temp files
         if partial.stat().st_mtime < unused_since:
             partial.unlink(missing_ok=True)
     for lock in directory.glob("step-*.lock"):
         if lock.stat().st_mtime < unused_since:
             key = lock.stem.removeprefix("step-")
-            for package in directory.glob(f"step-{key}-*.pt2"):
+            for package in directory.glob(f"step-{key}-*"):  # libraries (and archives of older versions)
                 package.unlink(missing_ok=True)
             lock.unlink(missing_ok=True)
             pruned.append(key)
@@ -445,20 +444,17 @@ def build_package(job_json: str) -> None:
     ids, positions, meta, rows = runner.example_steps()[job["graph"]]
     args = flat_args(ids, positions, meta, torch.tensor(rows, device=device),
                      tuple(t for pair in runner.kv_caches for t in pair))
-    compile_package(StepGraph(model, tuple(job["aux_layers"])).eval(), args, job["graph"], Path(job["path"]))
-    drop_inductor_copy(Path(job["path"]))
+    library = compile_package(StepGraph(model, tuple(job["aux_layers"])).eval(), args, job["graph"], Path(job["path"]))
+    drop_inductor_copy(library)
 
 
-def drop_inductor_copy(package: Path) -> None:
-    """Delete inductor's own copy of the library that `package` holds (its source and metadata
+def drop_inductor_copy(library: str) -> None:
+    """Delete inductor's own copy of the library it named `library` (its source and metadata
     too). Inductor keeps each library it builds, weights and all (150-300 MB a graph), in its
     cache under the temp folder, where nothing deletes it; a set-up compiles once and loads its
     package, so the copy is never read. The cached kernels and tuning results (small, and what
     makes a later compile faster) stay."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    with zipfile.ZipFile(package) as z:
-        stems = {Path(n).name.split(".")[0] for n in z.namelist() if n.endswith(".so")}
-    for stem in stems:
-        for copy in Path(cache_dir()).glob(f"*/{stem}.*"):
-            copy.unlink(missing_ok=True)
+    for copy in Path(cache_dir()).glob(f"*/{library.split('.')[0]}.*"):
+        copy.unlink(missing_ok=True)
