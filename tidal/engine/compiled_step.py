@@ -92,12 +92,13 @@ def compile_package(module: StepGraph, args: tuple, graph: str, path: Path) -> s
     in place instead of unpacking the archive (300 MB a graph) to a temp folder each time."""
     from torch._inductor import aoti_compile_and_package
 
-    with torch.no_grad():
-        program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(graph, len(args) - 9), strict=False)
-        archive = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
-        aoti_compile_and_package(program, package_path=str(archive), inductor_configs=PACKAGE_CONFIG)
+    archive = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
     tmp = path.with_name(f".{path.stem}.{os.getpid()}{path.suffix}")
     try:
+        with torch.no_grad():
+            program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(graph, len(args) - 9),
+                                          strict=False)
+            aoti_compile_and_package(program, package_path=str(archive), inductor_configs=PACKAGE_CONFIG)
         with zipfile.ZipFile(archive) as z:
             model = [n for n in z.namelist() if "/data/aotinductor/model/" in n]
             (library,) = [n for n in model if n.endswith(".so")]
