@@ -217,18 +217,25 @@ def start_llama_server(bin_dir: Path, gguf: Path, threads: int, slots: int, ctx_
                                  "-c", str(slots * ctx_per_slot), "--no-webui", *extra],
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    wait_healthy(proc, url, log, 120)
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
+    """Return once `url`/health answers 200; raise (the server killed) if `proc` exits first or
+    `timeout_s` passes. Polled every 20 ms: start-up times are read off it."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}: {log.read_text()[-2000:]}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
-        time.sleep(0.25)
+        time.sleep(0.02)
     proc.kill()
-    raise RuntimeError(f"llama-server not ready in 120 s: {log.read_text()[-2000:]}")
+    raise RuntimeError(f"{proc.args[0]} not ready in {timeout_s:.0f} s: {log.read_text()[-2000:]}")
 
 
 def servers(bin_dir: Path, gguf: Path, threads: int, levels: list[int], tokens: int, repeats: int,
@@ -265,24 +272,17 @@ def servers(bin_dir: Path, gguf: Path, threads: int, levels: list[int], tokens: 
 # ------------------------------------------------------------------ start-up
 
 
-def _seconds_to_health(cmd: list[str], url: str, log: Path, env: dict | None = None) -> float:
+def _seconds_to_health(cmd: list[str], url: str, log: Path, timeout_s: float, env: dict | None = None) -> float:
     """Seconds from launching `cmd` to `url`/health answering 200; the server is then stopped."""
     with open(log, "ab") as f:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}: {log.read_text()[-2000:]}")
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        return time.perf_counter() - start
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.02)
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    try:
+        wait_healthy(proc, url, log, timeout_s)
+        return time.perf_counter() - start
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def startup(bin_dir: Path, gguf: Path, threads: int, rounds: int, out: Path) -> dict[str, float]:
@@ -298,14 +298,14 @@ def startup(bin_dir: Path, gguf: Path, threads: int, rounds: int, out: Path) -> 
         port = free_port()
         return _seconds_to_health([str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port",
                                    str(port), "-t", str(threads), "-tb", str(threads), "--no-repack", "--no-webui"],
-                                  f"http://127.0.0.1:{port}", log)
+                                  f"http://127.0.0.1:{port}", log, 120)
 
-    def tidal() -> float:
+    def tidal(timeout_s: float = 120) -> float:
         port = free_port()
         return _seconds_to_health([sys.executable, "-m", "tidal.cli", "serve", "--port", str(port), "--wait-compiled"],
-                                  f"http://127.0.0.1:{port}", log, env)
+                                  f"http://127.0.0.1:{port}", log, timeout_s, env)
 
-    first = tidal()
+    first = tidal(1800)  # a first start compiles
     print(f"peers: start-up t={threads}: tidal's first start {first:.1f} s (compiles and profiles if not cached)",
           file=sys.stderr)
     times: dict[str, list[float]] = {"llama-server": [], "tidal serve": []}
