@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from tidal.engine.profile_cache import cache_dir
+from tidal.engine.profile_cache import cache_dir, cpu_identity
 
 PEER_PACKAGE = "llama-cpp-python"
 BINARIES = ("llama-server", "llama-bench")
@@ -107,7 +107,7 @@ from tidal.config import SpecConfig
 from tidal.datasets import chat_prompts
 mode, tokens, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 spec = SpecConfig("eagle3", 4, mode="adaptive") if mode.startswith("adaptive") else SpecConfig()
-llm = LLM(spec=spec, enforce_eager=mode.endswith("eager"))
+llm = LLM(spec=spec, enforce_eager=mode.endswith("eager"), weight_layouts="dense" if "dense" in mode else "auto")
 params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
 llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=8, temperature=0))
 print("ready", flush=True)
@@ -147,10 +147,11 @@ class TidalOffline:
 
 
 
-def offline(bin_dir: Path, gguf: Path, threads: int, tokens: int, rounds: int, eager: bool) -> dict[str, float]:
-    """Median tok/s at one request of llama-bench and of tidal off/adaptive (as served, and with
-    --enforce-eager if asked), taking turns."""
-    modes = ["off", "adaptive"] + (["off eager", "adaptive eager"] if eager else [])
+def offline(bin_dir: Path, gguf: Path, threads: int, tokens: int, rounds: int, eager: bool,
+            dense: bool = False) -> dict[str, float]:
+    """Median tok/s at one request of llama-bench and of tidal off/adaptive (as served, with
+    --enforce-eager if asked, and off with --weight-layouts dense if asked), taking turns."""
+    modes = ["off", "adaptive"] + (["off eager", "adaptive eager"] if eager else []) + (["off dense"] if dense else [])
     engines = {f"tidal {m}": TidalOffline(m, threads, tokens, rounds) for m in modes}
     peers = {"llama.cpp": False, "llama.cpp repacked": True}
     rates: dict[str, list[float]] = {n: [] for n in [*peers, *engines]}
@@ -330,6 +331,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="one request only (offline and concurrency 1)")
     ap.add_argument("--output", default="bench-results/peers", help="prefix of the bench outputs and JSON")
     ap.add_argument("--eager", action="store_true", help="tidal with --enforce-eager too, offline")
+    ap.add_argument("--dense", action="store_true",
+                    help="tidal off with --weight-layouts dense too, offline (the dense weights' baseline)")
     ap.add_argument("--startup-rounds", type=int, default=5, help="launches of each server, timed to /health")
     ap.add_argument("--startup-only", action="store_true", help="only the start-up rounds")
     args = ap.parse_args()
@@ -340,7 +343,8 @@ def main() -> int:
     levels = [1] if args.quick else [int(c) for c in args.concurrency.split(",")]
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result: dict = {"llama_cpp": metadata.version(PEER_PACKAGE), "gguf": gguf.name, "offline": {}, "servers": {}}
+    result: dict = {"llama_cpp": metadata.version(PEER_PACKAGE), "gguf": gguf.name, "cpu": cpu_identity(),
+                    "offline": {}, "servers": {}}
     rows = []
     starts = {}
     for t in map(int, args.threads.split(",")):
@@ -349,8 +353,11 @@ def main() -> int:
             result.setdefault("startup", {})[t] = starts[t]
         if args.startup_only:
             continue
-        off = offline(bin_dir, gguf, t, args.output_len, args.rounds, args.eager)
+        off = offline(bin_dir, gguf, t, args.output_len, args.rounds, args.eager, args.dense)
         result["offline"][t] = off
+        if args.dense:
+            rows.append((t, "offline 1, llama.cpp; off with dense weights", off["llama.cpp"],
+                         off["tidal off dense"], off["tidal adaptive"]))
         for peer in ("llama.cpp", "llama.cpp repacked"):
             for kind in ("", " eager") if args.eager else ("",):
                 rows.append((t, f"offline 1, {peer}{kind}", off[peer], off[f"tidal off{kind}"],
@@ -372,7 +379,9 @@ def main() -> int:
                   f"{st['tidal serve'] / st['llama-server']:.2f}x |")
     if not rows:
         return 0
-    print(f"\n# tidal vs llama.cpp {result['llama_cpp']} on {gguf.name}, {args.output_len} greedy tokens a request")
+    cpu = result["cpu"]
+    print(f"\n# tidal vs llama.cpp {result['llama_cpp']} on {gguf.name}, {args.output_len} greedy tokens a request; "
+          f"CPU {cpu['cpu']} ({cpu['arch']}, torch ISA {cpu['isa']})")
     print("| threads | where, requests | llama.cpp tok/s | tidal off tok/s | tidal adaptive tok/s "
           "| off / llama.cpp | adaptive / llama.cpp |")
     print("|---|---|---|---|---|---|---|")

@@ -9,6 +9,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # auto: reuse the stored start-up profile of this set-up, else measure and store it; if-cached:
 # reuse a stored one, else none (the cost models learn from live steps); off: never profile
 STARTUP_PROFILES = ("auto", "if-cached", "off")
+# auto: each weight also in the narrower layouts that time faster on this machine (measured once,
+# cached); dense: the dtype's dense weights only
+WEIGHT_LAYOUTS = ("auto", "dense")
 
 
 @dataclass(frozen=True)
@@ -112,9 +115,12 @@ class EngineConfig:
     # a first start compiles every graph before it is ready (a library's or a benchmark's steady
     # state); False: only the one-token graph, the rest while it serves (the CLI's default)
     wait_compiled: bool = True
+    weight_layouts: str = "auto"  # one of WEIGHT_LAYOUTS
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.weight_layouts not in WEIGHT_LAYOUTS:
+            raise ValueError(f"weight_layouts {self.weight_layouts!r} is not one of {', '.join(WEIGHT_LAYOUTS)}")
         if self.startup_profile not in STARTUP_PROFILES:
             raise ValueError(f"startup_profile {self.startup_profile!r} is not one of {', '.join(STARTUP_PROFILES)}")

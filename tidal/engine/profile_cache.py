@@ -31,6 +31,33 @@ def file_identity(path: str | Path | None) -> list:
     return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
+def cpu_identity() -> dict:
+    """The CPU as far as a kernel's speed goes: its model name, architecture and the vector ISA
+    torch dispatches to."""
+    import platform
+
+    import torch
+
+    name = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model")):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": name, "arch": platform.machine(), "isa": torch.backends.cpu.get_cpu_capability()}
+
+
+def load_record(key: str) -> dict | None:
+    """A JSON object stored under `key`, or None if there is none or it is unreadable."""
+    try:
+        record = json.loads((cache_dir() / key).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def digest(parts: dict) -> str:
     """A short stable name for the set-up `parts` describes (JSON-serialisable values)."""
     blob = json.dumps({"format": FORMAT, **parts}, sort_keys=True, default=str)
@@ -45,11 +72,8 @@ def profile_key(parts: dict) -> str:
 def load(key: str) -> dict | None:
     """The stored profile {"steps": [[tokens, seqs, context, seconds, drafts, verifying], ...],
     "drafts": [[forwards, tokens, catch_up, seconds], ...]}, or None if there is none or it is unreadable."""
-    try:
-        record = json.loads((cache_dir() / key).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict) or not _rows(record.get("steps"), 6) or not _rows(record.get("drafts"), 4, True):
+    record = load_record(key)
+    if record is None or not _rows(record.get("steps"), 6) or not _rows(record.get("drafts"), 4, True):
         return None
     return record
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.layers.attention import AttentionMetadata, paged_attention
-from tidal.layers.linear import Int4Weight, Int8Weight, PackedWeight, linear, packed_copies
+from tidal.layers.linear import Fp16Weight, Int4Weight, Int8Weight, PackedWeight, linear, packed_copies
 from tidal.layers.norm import rms_norm
 from tidal.layers.rotary import apply_rope, rope_cache
 
@@ -36,6 +36,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size))
         self.int4: dict[str, Int4Weight] = {}  # optional packed 4-bit copies, by parameter name
         self.packed: dict[str, PackedWeight] = {}  # optional oneDNN-packed dense copies (CPU bf16)
+        self.fp16: dict[str, Fp16Weight] = {}  # optional fp16 copies for small steps (CPU fp32)
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         return self.block(h, rms_norm(h, self.input_norm, self.cfg.rms_norm_eps), cos, sin, k_cache, v_cache, meta)
@@ -63,7 +64,7 @@ class DecoderLayer(nn.Module):
         return h + self._linear("down_proj", F.silu(gate) * up)
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, getattr(self, name), self.int4.get(name), self.packed.get(name))
+        return linear(x, getattr(self, name), self.int4.get(name), self.packed.get(name), fp16=self.fp16.get(name))
 
     def pack_dense(self) -> None:
         """Pack the projections for oneDNN once (inference only: the copies do not follow the
@@ -84,6 +85,7 @@ class LlamaModel(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.packed_head: PackedWeight | None = None
         self.int8_head: Int8Weight | None = None
+        self.fp16_head: Fp16Weight | None = None
         cos, sin = rope_cache(cfg.head_dim, cfg.max_model_len, cfg.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -97,6 +99,27 @@ class LlamaModel(nn.Module):
     def attach_int8_head(self) -> None:
         """An int8 copy of the output head for one-token steps (where the file stores it at 8 bits)."""
         self.int8_head = Int8Weight.quantize(self.unembedding)
+
+    def weight_shapes(self) -> list[tuple[int, int]]:
+        """The shapes of the weights a step multiplies by: the layers' projections and the head."""
+        return [tuple(getattr(layer, n).shape) for layer in self.layers for n in PROJECTIONS] + [
+            tuple(self.unembedding.shape)]
+
+    def attach_fp16(self, max_rows: dict[tuple[int, int], int]) -> None:
+        """fp16 copies of the projections and the head, each serving steps of up to its shape's
+        `max_rows` (none where that is 0)."""
+        def copy(w: torch.Tensor) -> Fp16Weight | None:
+            rows = max_rows.get(tuple(w.shape), 0)
+            return Fp16Weight(w, rows) if rows and Fp16Weight.supported(w) else None
+
+        for layer in self.layers:
+            layer.fp16 = {n: c for n in PROJECTIONS if (c := copy(getattr(layer, n))) is not None}
+        self.fp16_head = copy(self.unembedding)
+
+    def fp16_weights(self) -> list[Fp16Weight]:
+        """The fp16 copies in a fixed order (a compiled step takes their handles as inputs)."""
+        return [layer.fp16[n] for layer in self.layers for n in PROJECTIONS if n in layer.fp16] + (
+            [self.fp16_head] if self.fp16_head is not None else [])
 
     def pack_dense(self) -> None:
         """oneDNN-packed copies of the dense weights (CPU bf16): the output head, used every
@@ -134,4 +157,5 @@ class LlamaModel(nn.Module):
         return self.logits(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.unembedding, packed=self.packed_head, int8=self.int8_head).float()
+        return linear(hidden, self.unembedding, packed=self.packed_head, int8=self.int8_head,
+                      fp16=self.fp16_head).float()

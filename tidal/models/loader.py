@@ -40,9 +40,13 @@ def build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -
     return model.to(device=device, dtype=dtype)
 
 
-def pack_model(model: LlamaModel, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> None:
+def pack_model(model: LlamaModel, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
+               fp16_rows: dict[tuple[int, int], int] | None = None) -> None:
     """Copies of the weights in the layouts torch's CPU kernels read fastest: 4-bit and the 8-bit
-    head where the file stores them so (CPU bf16, the kernels' case), oneDNN-packed dense ones."""
+    head where the file stores them so (CPU bf16, the kernels' case), oneDNN-packed dense ones;
+    fp16 ones (CPU fp32) for the steps `fp16_rows` (weight shape -> most rows) says they win."""
+    if fp16_rows:
+        model.attach_fp16(fp16_rows)
     if device.type == "cpu" and dtype == torch.bfloat16:
         if loaded.int4_codes:
             model.attach_int4(loaded.int4_codes, dtype)

@@ -1,0 +1,80 @@
+"""Weight layouts chosen per machine: the fp16 layout's numbers, the timing that chooses it, its
+cache, and compiled steps that take its handles as inputs."""
+
+import pytest
+import torch
+
+from tidal import SamplingParams
+from tidal.config import CacheConfig, EngineConfig
+from tidal.engine import llm_engine, profile_cache
+from tidal.engine.llm_engine import LLM
+from tidal.layers import layout_choice
+from tidal.layers.linear import Fp16Weight, linear
+
+needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
+                                  reason="fbgemm's fp16 GEMM is x86-only")
+EDGES = (1, 4, 8, 64)
+
+
+@needs_fbgemm
+def test_fp16_weight_is_the_weight_rounded_to_fp16_up_to_its_rows():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 160, generator=g) * 0.05
+    fp16 = Fp16Weight(w, max_rows=8)
+    rounded = w.half().float()
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 160, generator=g)
+        torch.testing.assert_close(linear(x, w, fp16=fp16), x @ rounded.t(), atol=1e-5, rtol=1e-5)
+    x = torch.randn(4, 320, generator=g)[:, ::2]  # a strided view, as attention's output can be
+    torch.testing.assert_close(linear(x, w, fp16=fp16), x @ rounded.t(), atol=1e-5, rtol=1e-5)
+    big = torch.randn(9, 160, generator=g)  # past max_rows: the dense weight, bit for bit
+    assert torch.equal(linear(big, w, fp16=fp16), torch.nn.functional.linear(big, w))
+
+
+@needs_fbgemm
+def test_the_chosen_rows_end_on_a_graph_edge():
+    assert layout_choice.fp16_max_rows((256, 128), EDGES, repeats=3) in (0, *EDGES)
+
+
+def test_without_the_kernel_the_weights_stay_dense(monkeypatch):
+    monkeypatch.setattr(Fp16Weight, "supported", staticmethod(lambda w: False))
+    assert layout_choice.fp16_max_rows((256, 128), EDGES, repeats=1) == 0
+
+
+def test_the_choice_is_measured_once_per_machine_and_cached(monkeypatch):
+    calls = []
+
+    def measure(shapes, edges):
+        calls.append(edges)
+        return {s: 4 for s in shapes}
+
+    monkeypatch.setattr(llm_engine, "choose_fp16_rows", measure)
+    shapes = [(48, 16), (48, 16), (16, 32)]
+    cpu = torch.device("cpu")
+    assert llm_engine.weight_layouts(shapes, cpu, torch.float32, "auto") == {(48, 16): 4, (16, 32): 4}
+    assert llm_engine.weight_layouts(shapes, cpu, torch.float32, "auto") == {(48, 16): 4, (16, 32): 4}
+    assert calls == [EDGES]
+    assert llm_engine.weight_layouts(shapes, cpu, torch.float32, "dense") == {}
+    assert llm_engine.weight_layouts(shapes, cpu, torch.bfloat16, "auto") == {}
+    with pytest.raises(ValueError, match="weight_layouts"):
+        EngineConfig(weight_layouts="int3")
+
+
+@needs_fbgemm
+def test_compiled_steps_take_the_fp16_handles_and_match_eager(tiny_model_dir, monkeypatch, tmp_path):
+    """Every projection and the head fp16 in every compiled graph: the packages hold the spec
+    that calls tidal's op, and give the eager engine's tokens."""
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(llm_engine, "choose_fp16_rows", lambda shapes, edges: {s: edges[-1] for s in shapes})
+    kw = dict(dtype="float32", cache=CacheConfig(block_size=4, num_blocks=256))
+    compiled, eager = LLM(str(tiny_model_dir), **kw), LLM(str(tiny_model_dir), enforce_eager=True, **kw)
+    model = compiled.engine.runner.model
+    assert len(model.fp16_weights()) == 4 * len(model.layers) + 1
+    assert set(compiled.engine.runner.compiled.graphs) == {"one", "few", "many", "wide"}
+    libraries = sorted((tmp_path / "compiled").glob("step-*.so"))
+    assert len(libraries) == 4 and all(p.with_suffix(".json").is_file() for p in libraries)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[1 + i, 2, 3, 4 + i] for i in range(12)]
+    for n in (1, 3, 12):
+        assert ([o.token_ids for o in compiled.generate(prompts[:n], params)]
+                == [o.token_ids for o in eager.generate(prompts[:n], params)])
