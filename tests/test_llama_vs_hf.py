@@ -87,3 +87,25 @@ def test_greedy_same_alone_and_in_mixed_batch_of_16(llm, hf_greedy):
         assert out.token_ids == ref
     for i in (5, 15):  # and two of the others, alone
         assert llm.generate([prompts[i]], GREEDY64)[0].token_ids == batch[i].token_ids
+
+
+@pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="fbgemm is x86-only")
+def test_fp16_weights_stay_near_transformers_fp32(hf_model, hf_greedy, monkeypatch, tmp_path):
+    """The fp16 layout, forced for every weight at every step size of the compiled range, against
+    the fp32 oracle: logits within 0.05 (fp16 rounding of the weights; the logits reach ~30),
+    and greedy text that mostly agrees (a near-tie may flip and the texts part there)."""
+    from tidal import LLM
+    from tidal.engine import llm_engine
+
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))  # no layout choice cached by another test
+    monkeypatch.setattr(llm_engine, "choose_fp16_rows", lambda shapes, edges: {s: edges[-1] for s in shapes})
+    fp16 = LLM(dtype="float32", enforce_eager=True, weight_layouts="auto")
+    assert len(fp16.engine.runner.model.fp16_weights()) == 4 * 30 + 1
+    for text in PROMPTS:
+        ids = chat_ids(fp16, text)
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([ids])).logits[0].float()
+        assert (our_logits(fp16, ids[:64]) - ref[:64]).abs().max().item() < 0.05
+    outs = fp16.generate([chat_ids(fp16, t) for t in PROMPTS], GREEDY64)
+    agree = [next((i for i, (a, b) in enumerate(zip(o.token_ids, r)) if a != b), 64) for o, r in zip(outs, hf_greedy)]
+    assert sum(agree) >= 0.6 * 64 * len(PROMPTS), agree
