@@ -70,6 +70,10 @@ def _generate(args) -> int:
     else:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     print(out.text)
+    runner = llm.engine.runner
+    if not runner.land_compiled():
+        print(f"tidal: compiling the steps {', '.join(runner.compiling)} goes on in the background (minutes); "
+              "later starts load them", file=sys.stderr)
     return 0
 
 

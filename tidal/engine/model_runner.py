@@ -82,7 +82,8 @@ class ModelRunner:
         self.compiled: PackagedStep | InductorStep | None = None
         self.compiled_key: str | None = None  # what the compiled steps were built from (their packages' key)
         self.compiling: dict[str, Path] = {}  # graphs compiling in the background, to their packages
-        self._workers: list = []  # their processes
+        self._workers: list = []  # their process
+        self._compile_start = 0.0
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks or max(
             1, cache.kv_cache_bytes // kv_cache_block_bytes(self.cfg, cache.block_size, dtype))
@@ -245,9 +246,9 @@ class ModelRunner:
 
     def warm_up(self, model: str | None = None, background: bool = False) -> None:
         """Make the compiled steps ready (`model`: the file the weights came from, None for the
-        bundled one). `background`: wait only for the one-token graph; the others compile while
-        the engine serves (their steps eager until then, see land_compiled). A failure to compile
-        is logged and leaves the steps eager."""
+        bundled one). `background`: wait for none; they compile while the engine serves, one at a
+        time in a process of lower priority, each landing as it is written (its steps eager until
+        then, see land_compiled). A failure to compile is logged and leaves the steps eager."""
         if not self.compile:
             return
         try:
@@ -273,7 +274,7 @@ class ModelRunner:
 
     def _packages(self, model: str | None, background: bool) -> dict[str, Path]:
         """The graphs' packages, compiled now (in parallel processes) where the cache lacks them;
-        with `background`, all but the one-token graph are left compiling (self.compiling)."""
+        with `background`, left compiling (self.compiling) in one process, the one-token graph first."""
         job = {"model": model, "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
                "threads": torch.get_num_threads(), "aux_layers": list(self.aux_layers), "block_size": self.block_size,
                "fp16_rows": fp16_rows(self.model)}
@@ -295,40 +296,45 @@ class ModelRunner:
             if not missing:
                 return paths
             prune_packages(directory, time.time() - PACKAGE_MAX_IDLE_S)
-            now = [g for g in missing if g == "one" or not background]
-            jobs = {g: {**job, "graph": g, "path": str(paths[g])} for g in missing}
-            if now:
+            jobs = [{**job, "graph": g, "path": str(paths[g])} for g in missing]
+            if not background:
                 log.info("compiling the decode step ahead of time, once per model, dtype and thread count: %s",
-                         ", ".join(now))
-                _run_workers([jobs[g] for g in now])
-            later = [g for g in missing if g not in now]
-            if later:
-                log.info("compiling %s in the background; until they land, those steps run eager", ", ".join(later))
-                # the workers hold the lock (an inherited descriptor) until they exit
-                self.compiling = {g: paths[g] for g in later}
-                self._workers = _start_workers([jobs[g] for g in later], lock.fileno())
+                         ", ".join(missing))
+                _run_workers([[j] for j in jobs])
+            else:
+                log.info("compiling %s in the background, one at a time (minutes each); until each lands, "
+                         "its steps run eager", ", ".join(missing))
+                # the worker holds the lock (an inherited descriptor) until it exits
+                self.compiling = {g: paths[g] for g in missing}
+                self._workers = _start_workers([jobs], lock.fileno(), nice=True)
+                self._compile_start = time.perf_counter()
         return paths
 
     def land_compiled(self, wait: bool = False) -> bool:
-        """Load the packages compiled in the background once every worker has exited (`wait`:
-        block until then). True when nothing is left compiling."""
+        """Load each package compiled in the background once it is written (`wait`: block until
+        the worker has exited). True when nothing is left compiling."""
         if not self.compiling:
             return True
-        if not wait and any(proc.poll() is None for proc, _ in self._workers):
-            return False
+        running = any(proc.poll() is None for proc, _ in self._workers)
+        if wait and running:
+            for proc, _ in self._workers:
+                proc.wait()
+            running = False
+        for g, path in list(self.compiling.items()):
+            if not path.is_file():  # written whole by a rename, or not at all
+                continue
+            del self.compiling[g]
+            try:
+                if self.compiled is not None:
+                    self.compiled.add(g, path)
+                    log.info("compiled step %s landed after %.0f s", g, time.perf_counter() - self._compile_start)
+            except Exception as e:  # a package that cannot load leaves its steps eager
+                log.warning("compiled step %s unavailable, its steps stay eager: %s", g, e)
+        if running:
+            return not self.compiling
         failures = _wait_workers(self._workers)
         if failures:
             log.warning("compiling the step in the background failed, those steps stay eager: %s", failures[0])
-        landed = []
-        for g, path in self.compiling.items():
-            try:
-                if self.compiled is not None and path.is_file():
-                    self.compiled.add(g, path)
-                    landed.append(g)
-            except Exception as e:  # a package that cannot load leaves its steps eager
-                log.warning("compiled step %s unavailable, its steps stay eager: %s", g, e)
-        if landed:
-            log.info("compiled steps landed: %s", ", ".join(landed))
         self.compiling, self._workers = {}, []
         return True
 
@@ -410,16 +416,20 @@ def prune_packages(directory: Path, unused_since: float) -> list[str]:
     return pruned
 
 
-_WORKER = "import sys; from tidal.engine.model_runner import build_package; build_package(sys.argv[1])"
+_WORKER = ("import json, os, sys; from tidal.engine.model_runner import build_package\n"
+           "if sys.argv[2] == 'nice': os.nice(10)\n"
+           "for job in json.loads(sys.argv[1]): build_package(job)")
 
 
-def _start_workers(jobs: list[dict], lock_fd: int | None = None) -> list:
-    """Start build_package for each job in its own process; each holds `lock_fd` until it exits."""
+def _start_workers(batches: list[list[dict]], lock_fd: int | None = None, nice: bool = False) -> list:
+    """Start a process for each batch of jobs, running build_package on them in order (`nice`:
+    at a lower priority than this one); each holds `lock_fd` until it exits."""
     workers = []
-    for job in jobs:
+    for jobs in batches:
         err = tempfile.TemporaryFile(mode="w+")
-        workers.append((subprocess.Popen([sys.executable, "-c", _WORKER, json.dumps(job)], stdout=subprocess.DEVNULL,
-                                         stderr=err, pass_fds=() if lock_fd is None else (lock_fd,)), err))
+        workers.append((subprocess.Popen([sys.executable, "-c", _WORKER, json.dumps(jobs), "nice" if nice else "-"],
+                                         stdout=subprocess.DEVNULL, stderr=err,
+                                         pass_fds=() if lock_fd is None else (lock_fd,)), err))
     return workers
 
 
@@ -436,18 +446,17 @@ def _wait_workers(workers: list) -> list[str]:
     return failures
 
 
-def _run_workers(jobs: list[dict]) -> None:
-    """Run build_package for each job in its own process, all at once; raise with the first
+def _run_workers(batches: list[list[dict]]) -> None:
+    """Run each batch of build_package jobs in its own process, all at once; raise with the first
     failure's error line."""
-    failures = _wait_workers(_start_workers(jobs))
+    failures = _wait_workers(_start_workers(batches))
     if failures:
         raise RuntimeError(f"compiling the step failed: {failures[0]}")
 
 
-def build_package(job_json: str) -> None:
-    """Compile one step graph to its package (run in a process of its own by _run_workers): the
+def build_package(job: dict) -> None:
+    """Compile one step graph to its package (run in a worker process, see _start_workers): the
     model loaded and packed as the engine does, the example step of that graph."""
-    job = json.loads(job_json)
     torch.set_num_threads(job["threads"])
     device, dtype = torch.device(job["device"]), getattr(torch, job["dtype"])
     loaded = loader.load(job["model"])
