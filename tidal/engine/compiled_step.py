@@ -47,96 +47,71 @@ def graph_of(num_tokens: int) -> str:
 class StepGraph(nn.Module):
     """A compiled step as a module of flat tensor arguments (what export takes): the forward over
     one attention group and the output head at the sampled rows; returns the logits and the
-    residual stream after each of `aux_layers`. After the caches come the handles of the model's
-    fp16 weights (LlamaModel.fp16_weights), bound for the call: they point into the process that
-    packed them, so the compiled step must take the running engine's, never keep its own."""
+    residual stream after each of `aux_layers`."""
 
     def __init__(self, model: nn.Module, aux_layers: tuple[int, ...]):
         super().__init__()
         self.model, self.aux_layers = model, aux_layers
 
     def forward(self, input_ids, positions, slot_mapping, token_index, kv_slots, mask, out_index,
-                group_rows, rows, *state):
+                group_rows, rows, *kv):
         group = AttentionGroup(token_index, kv_slots, mask, out_index, group_rows)
         meta = AttentionMetadata(slot_mapping, [group])
-        weights = self.model.fp16_weights()
-        num_kv = len(state) - len(weights)
-        kv, handles = state[:num_kv], state[num_kv:]
-        own = [w.packed for w in weights]
-        try:
-            for w, h in zip(weights, handles):
-                w.packed = h
-            hidden, aux = self.model.run(input_ids, positions, list(zip(kv[0::2], kv[1::2])), meta, self.aux_layers)
-            return (self.model.logits(hidden[rows]), *aux)
-        finally:
-            for w, h in zip(weights, own):
-                w.packed = h
+        hidden, aux = self.model.run(input_ids, positions, list(zip(kv[0::2], kv[1::2])), meta, self.aux_layers)
+        return (self.model.logits(hidden[rows]), *aux)
 
 
-def flat_args(input_ids, positions, meta: AttentionMetadata, rows, state: tuple) -> tuple:
-    """StepGraph's arguments; `state`: the caches flattened, (k0, v0, k1, v1, ...), then the fp16
-    weights' handles."""
+def flat_args(input_ids, positions, meta: AttentionMetadata, rows, kv: tuple) -> tuple:
+    """StepGraph's arguments; `kv`: the caches flattened, (k0, v0, k1, v1, ...)."""
     (g,) = meta.groups
     return (input_ids, positions, meta.slot_mapping, g.token_index, g.kv_slots, g.mask, g.out_index, g.rows,
-            rows, *state)
+            rows, *kv)
 
 
-def dynamic_shapes(graph: str, num_kv: int, num_weights: int = 0) -> tuple:
+def dynamic_shapes(graph: str, num_kv: int) -> tuple:
     """Which sizes of StepGraph's arguments vary between steps, and how they are tied (export
-    takes the caches and handles, StepGraph's `*state`, as one tuple)."""
+    takes the caches, StepGraph's `*kv`, as one tuple)."""
     from torch.export import Dim
 
     keys, slots = Dim("keys", min=2), Dim("slots", min=2)
-    state = tuple({0: slots} for _ in range(num_kv)) + (None,) * num_weights
+    kv = tuple({0: slots} for _ in range(num_kv))
     if graph == "one":
-        return (None, None, None, None, {1: keys}, {3: keys}, None, None, None, state)
+        return (None, None, None, None, {1: keys}, {3: keys}, None, None, None, kv)
     low, high = GRAPHS[graph]
     tokens = Dim("tokens", min=low, max=high)
     seqs, queries, rows = (Dim(n, min=2, max=high) for n in ("seqs", "queries", "rows"))
     return ({0: tokens}, {0: tokens}, {0: tokens}, {0: seqs, 1: queries}, {0: seqs, 1: keys},
-            {0: seqs, 2: queries, 3: keys}, {0: tokens}, {0: tokens}, {0: rows}, state)
+            {0: seqs, 2: queries, 3: keys}, {0: tokens}, {0: tokens}, {0: rows}, kv)
 
 
 def compile_package(module: StepGraph, args: tuple, graph: str, path: Path) -> str:
     """Export `module` at the example `args` and compile it with AOTInductor into the shared
-    library at `path` (the step's package: weights inside, but the fp16 ones), written whole or
-    not at all. Returns the name inductor gave the library (its cache keeps a copy under that
-    name). AOTInductor writes a .pt2 archive around the library; the library alone is kept, so
-    that a start loads it in place instead of unpacking the archive (300 MB a graph) to a temp
-    folder each time, and beside it (same name, .json) the spec by which the library calls
-    tidal's own ops (fp16 weights), which torch's runner reads from there."""
+    library at `path` (the step's package: weights inside), written whole or not at all. Returns
+    the name inductor gave the library (its cache keeps a copy under that name). AOTInductor
+    writes a .pt2 archive around the library; the library alone is kept, so that a start loads it
+    in place instead of unpacking the archive (300 MB a graph) to a temp folder each time."""
     from torch._inductor import aoti_compile_and_package
 
     archive = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
     tmp = path.with_name(f".{path.stem}.{os.getpid()}{path.suffix}")
-    tmp_spec, spec = tmp.with_suffix(".json"), path.with_suffix(".json")
-    num_weights = len(module.model.fp16_weights())
     try:
         with torch.no_grad():
-            program = torch.export.export(module, args, strict=False,
-                                          dynamic_shapes=dynamic_shapes(graph, len(args) - 9 - num_weights, num_weights))
+            program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(graph, len(args) - 9),
+                                          strict=False)
             aoti_compile_and_package(program, package_path=str(archive), inductor_configs=PACKAGE_CONFIG)
         with zipfile.ZipFile(archive) as z:
             model = [n for n in z.namelist() if "/data/aotinductor/model/" in n]
             (library,) = [n for n in model if n.endswith(".so")]
-            specs = [n for n in model if n == library.removesuffix(".so") + ".json"]
-            # anything else but sources and metadata (separate weights, say) would be lost with the archive
-            if extra := [n for n in model if not n.endswith((".so", ".cpp", "_metadata.json")) and n not in specs]:
+            # anything but the library, its sources and metadata (separate weights, a custom-op
+            # executor's spec) would be lost with the archive
+            if extra := [n for n in model if not n.endswith((".so", ".cpp", "_metadata.json"))]:
                 raise RuntimeError(f"the compiled step needs files beside its library: {extra}")
             with z.open(library) as src, open(tmp, "wb") as dst:
                 shutil.copyfileobj(src, dst)
-            for name in specs:
-                with z.open(name) as src, open(tmp_spec, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-        if tmp_spec.is_file():
-            tmp_spec.replace(spec)
-        else:
-            spec.unlink(missing_ok=True)
         tmp.replace(path)
     finally:
         archive.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
-        tmp_spec.unlink(missing_ok=True)
     return Path(library).name
 
 
@@ -158,11 +133,11 @@ class PackagedStep:
 
     MAX_TOKENS = COMPILED_MAX_TOKENS
 
-    def __init__(self, paths: dict[str, Path], kv_caches: list[tuple], handles: tuple = ()):
+    def __init__(self, paths: dict[str, Path], kv_caches: list[tuple]):
         self.graphs = {}
         for g, p in paths.items():
             self.add(g, p)
-        self.state = tuple(t for pair in kv_caches for t in pair) + tuple(handles)  # StepGraph's *state
+        self.kv = tuple(t for pair in kv_caches for t in pair)
 
     def add(self, graph: str, path: Path) -> None:
         self.graphs[graph] = LoadedPackage(path)
@@ -171,7 +146,7 @@ class PackagedStep:
         return num_tokens <= self.MAX_TOKENS and graph_of(num_tokens) in self.graphs
 
     def __call__(self, input_ids, positions, meta: AttentionMetadata, rows) -> tuple[torch.Tensor, list]:
-        logits, *aux = self.graphs[graph_of(len(input_ids))](*flat_args(input_ids, positions, meta, rows, self.state))
+        logits, *aux = self.graphs[graph_of(len(input_ids))](*flat_args(input_ids, positions, meta, rows, self.kv))
         return logits, aux
 
 

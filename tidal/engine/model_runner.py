@@ -254,8 +254,7 @@ class ModelRunner:
         try:
             if self.device.type in PACKAGED_DEVICES:
                 paths = self._packages(model, background)
-                self.compiled = PackagedStep({g: p for g, p in paths.items() if p.is_file()}, self.kv_caches,
-                                             tuple(w.packed for w in self.model.fp16_weights()))
+                self.compiled = PackagedStep({g: p for g, p in paths.items() if p.is_file()}, self.kv_caches)
             else:
                 self._capture()
         except Exception as e:  # an optimisation that cannot be had must not stop the engine
@@ -276,8 +275,7 @@ class ModelRunner:
         """The graphs' packages, compiled now (in parallel processes) where the cache lacks them;
         with `background`, left compiling (self.compiling) in one process, the one-token graph first."""
         job = {"model": model, "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
-               "threads": torch.get_num_threads(), "aux_layers": list(self.aux_layers), "block_size": self.block_size,
-               "fp16_rows": fp16_rows(self.model)}
+               "threads": torch.get_num_threads(), "aux_layers": list(self.aux_layers), "block_size": self.block_size}
         key = profile_cache.digest({**job, "model": profile_cache.file_identity(model or loader.default_model_path()),
                                     "source": _source_digest(), "tidal": __version__, "torch": torch.__version__,
                                     "cpu": torch.backends.cpu.get_cpu_capability(), "max_tokens": COMPILED_MAX_TOKENS})
@@ -362,17 +360,6 @@ class ModelRunner:
             seed = seq.params.seed if seq.params.seed is not None else int(self._rng.integers(2**63))
             seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         return seq.generator
-
-
-def fp16_rows(model: LlamaModel) -> list[list[int]]:
-    """[N, K, most rows] of each weight shape the model keeps an fp16 copy of (what a compile
-    worker packs as the engine did)."""
-    rows = {}
-    for layer in model.layers:
-        rows.update({tuple(getattr(layer, n).shape): w.max_rows for n, w in layer.fp16.items()})
-    if model.fp16_head is not None:
-        rows[tuple(model.unembedding.shape)] = model.fp16_head.max_rows
-    return sorted([n, k, r] for (n, k), r in rows.items())
 
 
 def query_width(q_lens: list[int]) -> int:
@@ -461,11 +448,11 @@ def build_package(job: dict) -> None:
     device, dtype = torch.device(job["device"]), getattr(torch, job["dtype"])
     loaded = loader.load(job["model"])
     model = loader.build_model(loaded, device, dtype)
-    loader.pack_model(model, loaded, device, dtype, {(n, k): r for n, k, r in job["fp16_rows"]})
+    loader.pack_model(model, loaded, device, dtype)
     runner = ModelRunner(model, CacheConfig(block_size=job["block_size"], num_blocks=4), device, dtype)
     ids, positions, meta, rows = runner.example_steps()[job["graph"]]
     args = flat_args(ids, positions, meta, torch.tensor(rows, device=device),
-                     tuple(t for pair in runner.kv_caches for t in pair) + tuple(w.packed for w in model.fp16_weights()))
+                     tuple(t for pair in runner.kv_caches for t in pair))
     library = compile_package(StepGraph(model, tuple(job["aux_layers"])).eval(), args, job["graph"], Path(job["path"]))
     drop_inductor_copy(library)
 

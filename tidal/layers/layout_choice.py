@@ -3,9 +3,8 @@
 The fastest layout of a weight depends on the CPU (its ISA, caches and memory bandwidth), the
 thread count, the weight's shape and the rows of the step, so it is measured rather than assumed:
 for each distinct weight shape, the dense fp32 matmul against the fp16 layout (linear.Fp16Weight)
-at row counts inside each range of step sizes (`edges`, those of the compiled step graphs, so a
-graph uses one layout per weight whatever its size). A machine where a layout cannot run (no
-fbgemm, e.g. ARM) keeps the dense weights.
+as eager steps call them, at the ends of each range of step sizes (`edges`). A machine where a
+layout cannot run (no fbgemm, e.g. ARM) keeps the dense weights.
 """
 
 from __future__ import annotations

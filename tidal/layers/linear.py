@@ -15,8 +15,8 @@ half the time there (measured on this project's machine: the 49152-row output he
 
 Where the activations are fp32 (CPUs without native bf16), a weight rounded to fp16 and packed for
 fbgemm's fp16 GEMM (AVX2 code) reads half the bytes of fp32 and loses about 2e-4 of a weight's
-size; whether it beats the dense matmul, and up to how many rows, is measured on the machine
-(tidal/layers/layout_choice.py).
+size; whether it beats the dense matmul in an eager step, and up to how many rows, is measured on
+the machine (tidal/layers/layout_choice.py).
 """
 
 from __future__ import annotations
@@ -96,21 +96,11 @@ class Int8Weight:
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
 
 
-@torch.library.custom_op("tidal::linear_fp16", mutates_args=())
-def _linear_fp16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    # an op of our own: aten's has no shape function, which export needs
-    return torch.ops.aten.fbgemm_linear_fp16_weight(x.contiguous(), packed, bias)
-
-
-@_linear_fp16.register_fake
-def _(x, packed, bias):
-    return x.new_empty(x.shape[0], bias.shape[0])
-
-
 class Fp16Weight:
     """An fp32 weight rounded to fp16 and packed for fbgemm's fp16 GEMM (fp32 activations in and
-    out), serving steps of at most `max_rows` rows. `packed` is a handle to memory fbgemm owns, not
-    the weights' bytes: a compiled step takes it as an input, never as a constant."""
+    out), serving eager steps of at most `max_rows` rows. Compiled steps keep the dense weight:
+    inductor's own GEMM over it (packed at compile time, on every thread) beat this
+    single-threaded kernel called from the graph (docs/results/notebook.md)."""
 
     def __init__(self, weight: torch.Tensor, max_rows: int):
         w = weight.detach().float().contiguous()
@@ -124,7 +114,7 @@ class Fp16Weight:
                 and "fbgemm" in torch.backends.quantized.supported_engines)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tidal.linear_fp16(x, self.packed, self.bias)
+        return torch.ops.aten.fbgemm_linear_fp16_weight(x.contiguous(), self.packed, self.bias)
 
 
 class PackedWeight:
@@ -156,7 +146,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, int4: Int4Weight | None = None
            packed: PackedWeight | None = None, int8: Int8Weight | None = None,
            fp16: Fp16Weight | None = None) -> torch.Tensor:
     """x @ weight.T through the fastest copy of the weight there is for x's row count."""
-    if fp16 is not None and x.shape[0] <= fp16.max_rows:
+    if fp16 is not None and x.shape[0] <= fp16.max_rows and not torch.compiler.is_compiling():
         return fp16(x)
     if int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:
         return int4(x)

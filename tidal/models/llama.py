@@ -36,7 +36,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size))
         self.int4: dict[str, Int4Weight] = {}  # optional packed 4-bit copies, by parameter name
         self.packed: dict[str, PackedWeight] = {}  # optional oneDNN-packed dense copies (CPU bf16)
-        self.fp16: dict[str, Fp16Weight] = {}  # optional fp16 copies for small steps (CPU fp32)
+        self.fp16: dict[str, Fp16Weight] = {}  # optional fp16 copies for small eager steps (CPU fp32)
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         return self.block(h, rms_norm(h, self.input_norm, self.cfg.rms_norm_eps), cos, sin, k_cache, v_cache, meta)
@@ -117,7 +117,7 @@ class LlamaModel(nn.Module):
         self.fp16_head = copy(self.unembedding)
 
     def fp16_weights(self) -> list[Fp16Weight]:
-        """The fp16 copies in a fixed order (a compiled step takes their handles as inputs)."""
+        """The fp16 copies, layer by layer, then the head's."""
         return [layer.fp16[n] for layer in self.layers for n in PROJECTIONS if n in layer.fp16] + (
             [self.fp16_head] if self.fp16_head is not None else [])
 
