@@ -21,3 +21,18 @@ def test_bad_parameter_is_a_clear_error(capsys):
 def test_bad_device_is_a_clear_error(capsys):
     assert main(["generate", "hi", "--device", "bogus"]) == 2
     assert "unknown device" in capsys.readouterr().err
+
+
+
+def test_kv_cache_memory_sizes_the_cache(capsys):
+    import argparse
+
+    from tidal import cli
+
+    parser = argparse.ArgumentParser()
+    cli._engine_args(parser)
+    args = parser.parse_args(["--kv-cache-memory", "0.25"])
+    args.command = "generate"
+    assert cli._engine_kwargs(args)["cache"].kv_cache_bytes == 1 << 28
+    assert main(["generate", "hi", "--kv-cache-memory", "0"]) == 2
+    assert "--kv-cache-memory must be a positive number of GiB" in capsys.readouterr().err

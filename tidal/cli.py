@@ -35,6 +35,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-layouts", default="auto", choices=WEIGHT_LAYOUTS,
                    help="auto: also keep each weight in the narrower layouts that time faster on this CPU "
                         "(measured at the first start, cached); dense: the dtype's dense weights only")
+    p.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                   help="GiB for the paged KV cache (as vLLM's VLLM_CPU_KVCACHE_SPACE; default 2); pages are "
+                        "taken from the OS only as requests fill them")
     p.add_argument("--wait-compiled", action="store_true",
                    help="on a first start, be ready only once every compiled step is (as benchmarks want)")
     p.add_argument("--step-log", default=None,
@@ -42,7 +45,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(args) -> dict:
-    from tidal.config import SpecConfig
+    from tidal.config import CacheConfig, SpecConfig
 
     if args.speculation == "off" and args.spec_schedule is None:
         spec = SpecConfig()
@@ -54,7 +57,10 @@ def _engine_kwargs(args) -> dict:
         spec = SpecConfig(method, args.num_speculative_tokens or 4, draft_model=args.draft_model,
                           mode=mode, schedule=args.spec_schedule)
     profile = args.startup_profile or ("auto" if args.command == "serve" else "if-cached")
-    return dict(dtype=args.dtype, device=args.device, spec=spec, step_log=args.step_log, startup_profile=profile,
+    if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
+        raise ValueError(f"--kv-cache-memory must be a positive number of GiB, got {args.kv_cache_memory}")
+    cache = CacheConfig() if args.kv_cache_memory is None else CacheConfig(kv_cache_bytes=int(args.kv_cache_memory * 2**30))
+    return dict(cache=cache, dtype=args.dtype, device=args.device, spec=spec, step_log=args.step_log, startup_profile=profile,
                 enforce_eager=args.enforce_eager, wait_compiled=args.wait_compiled,
                 weight_layouts=args.weight_layouts)
 
