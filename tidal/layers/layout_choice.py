@@ -21,7 +21,7 @@ from tidal.layers.linear import Fp16Weight
 log = logging.getLogger("tidal.engine")
 
 # timed calls per kernel and row count, alternating, after one warm-up call each
-REPEATS = 15
+REPEATS = 7
 
 
 def probe_rows(low: int, high: int) -> tuple[int, ...]:
