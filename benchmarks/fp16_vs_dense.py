@@ -12,11 +12,11 @@ Prints the median step time per path and batch and the dense / fp16 ratio.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from int4_vs_dense import alternate
 
-from tidal import LLM, SamplingParams
+from tidal import LLM
 from tidal.engine.profile_cache import cpu_identity
 
 
@@ -32,27 +32,15 @@ def main():
         raise SystemExit("no fp16 copies here (no fbgemm, or dense won every timing on this machine)")
     chosen = [w.max_rows for w in weights]
     prompt = llm.tokenizer.encode("Tell me about the history of the printing press in Europe.")
-    rows = []
-    try:
-        for c in [int(x) for x in args.batches.split(",")]:
-            params = SamplingParams(max_tokens=2 * args.steps + 2, temperature=0, ignore_eos=True)
-            for i in range(c):
-                eng.add_request(f"b{c}-{i}", prompt, params)
-            eng.step()  # the prefill
-            times: dict[str, list[float]] = {"fp16": [], "dense": []}
-            for k in range(2 * args.steps):
-                path = "fp16" if k % 2 == 0 else "dense"
-                for w, rows_ in zip(weights, chosen):
-                    w.max_rows = rows_ if path == "fp16" else 0
-                eng.step()
-                times[path].append(eng.last_step_stats.seconds)
-            while eng.has_unfinished():
-                eng.step()
-            rows.append((c, statistics.median(times["fp16"]), statistics.median(times["dense"])))
-            print(f"  C={c}: fp16 {rows[-1][1] * 1e3:.1f} ms, dense {rows[-1][2] * 1e3:.1f} ms", flush=True)
-    finally:
+
+    def use(path: str) -> None:
         for w, rows_ in zip(weights, chosen):
-            w.max_rows = rows_
+            w.max_rows = rows_ if path == "fp16" else 0
+
+    try:
+        rows = alternate(eng, prompt, [int(x) for x in args.batches.split(",")], args.steps, ("fp16", "dense"), use)
+    finally:
+        use("fp16")
     cpu = cpu_identity()
     print(f"\n# eager decode step (target forward and sampling), median of {args.steps}; {cpu['cpu']} "
           f"({cpu['arch']}, torch ISA {cpu['isa']}), {torch.get_num_threads()} threads, torch {torch.__version__}")

@@ -21,6 +21,28 @@ import tidal.layers.linear as linear
 from tidal import LLM, SamplingParams
 
 
+def alternate(eng, prompt: list[int], batches: list[int], steps: int, paths: tuple[str, str],
+              use) -> list[tuple[int, float, float]]:
+    """(C, median step seconds of paths[0], of paths[1]) for decode steps of C requests, the two
+    paths alternated step by step (`use(path)` switches the engine to one)."""
+    rows = []
+    for c in batches:
+        params = SamplingParams(max_tokens=2 * steps + 2, temperature=0, ignore_eos=True)
+        for i in range(c):
+            eng.add_request(f"b{c}-{i}", prompt, params)
+        eng.step()  # the prefill
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        for k in range(2 * steps):
+            use(paths[k % 2])
+            eng.step()
+            times[paths[k % 2]].append(eng.last_step_stats.seconds)
+        while eng.has_unfinished():
+            eng.step()
+        rows.append((c, statistics.median(times[paths[0]]), statistics.median(times[paths[1]])))
+        print(f"  C={c}: {paths[0]} {rows[-1][1] * 1e3:.1f} ms, {paths[1]} {rows[-1][2] * 1e3:.1f} ms", flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,2,3,4,6,8,12,16,24")
@@ -32,23 +54,12 @@ def main():
         raise SystemExit("the model runs without int4 weights here (needs a CPU with bf16 support)")
     prompt = llm.tokenizer.encode("Tell me about the history of the printing press in Europe.")
     default = linear.INT4_MAX_TOKENS
-    rows = []
+
+    def use(path: str) -> None:
+        linear.INT4_MAX_TOKENS = 1 << 30 if path == "int4" else 0
+
     try:
-        for c in [int(x) for x in args.batches.split(",")]:
-            params = SamplingParams(max_tokens=2 * args.steps + 2, temperature=0, ignore_eos=True)
-            for i in range(c):
-                eng.add_request(f"b{c}-{i}", prompt, params)
-            eng.step()  # the prefill
-            times: dict[str, list[float]] = {"int4": [], "dense": []}
-            for k in range(2 * args.steps):
-                path = "int4" if k % 2 == 0 else "dense"
-                linear.INT4_MAX_TOKENS = 1 << 30 if path == "int4" else 0
-                eng.step()
-                times[path].append(eng.last_step_stats.seconds)
-            while eng.has_unfinished():
-                eng.step()
-            rows.append((c, statistics.median(times["int4"]), statistics.median(times["dense"])))
-            print(f"  C={c}: int4 {rows[-1][1] * 1e3:.1f} ms, dense {rows[-1][2] * 1e3:.1f} ms", flush=True)
+        rows = alternate(eng, prompt, [int(x) for x in args.batches.split(",")], args.steps, ("int4", "dense"), use)
     finally:
         linear.INT4_MAX_TOKENS = default
     print(f"\n# decode step (target forward and sampling), median of {args.steps}; dtype {eng.dtype}, "

