@@ -19,6 +19,19 @@ def private_cache_dir(tmp_path_factory):
         yield path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def dense_weights_unless_forced():
+    """Engines built in this process keep their dense weights: tests that compare two engines'
+    greedy tokens (eager and compiled, speculation on and off, alone and batched) need one set of
+    numerics, and which layouts win is timed per machine. tests/test_layouts.py and the fp16
+    oracle test force the fp16 layout themselves."""
+    from tidal.engine import llm_engine
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llm_engine, "choose_fp16_rows", lambda shapes, edges: {})
+        yield
+
+
 @pytest.fixture(scope="session")
 def llm():
     from tidal import LLM

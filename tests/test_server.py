@@ -2,8 +2,8 @@
 output, raw HTTP for the error shapes, 200 concurrent streams, disconnects, the waiting-queue
 bound, SIGTERM, and a bounded schemathesis run over the OpenAPI schema.
 
-Servers run the bundled model in float32, where greedy output does not depend on the batch, so
-every served text can be compared with `LLM(dtype="float32")` offline.
+Servers run the bundled model in float32 on its dense weights, where greedy output does not depend
+on the batch, so every served text can be compared with conftest's offline `llm`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "tidal.cli", "serve", "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "tidal.cli", "serve", "--dtype", "float32", "--weight-layouts", "dense",
+               "--enforce-eager", "--host", "127.0.0.1",
                "--port", str(self.port), "--no-access-log", *args]
         full_env = {k: v for k, v in os.environ.items() if k != "TIDAL_API_KEY"} | (env or {})
         # one compute thread: the server shares two cores with this process's clients, and
