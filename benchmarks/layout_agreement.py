@@ -39,7 +39,6 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=40)
     args = ap.parse_args()
     dense = LLM(dtype="float32", enforce_eager=True, weight_layouts="dense")
-    every = lambda shapes, edges: {s: edges[-1] for s in shapes}  # noqa: E731
     cache = os.environ.get("TIDAL_CACHE_DIR")
     with tempfile.TemporaryDirectory() as tmp:  # the forced choice never reaches the user's cache
         os.environ["TIDAL_CACHE_DIR"], choose = tmp, llm_engine.choose_fp16_rows

@@ -29,9 +29,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "auto for serve, if-cached for generate)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly; by default decode and verify steps of up to 64 tokens run "
-                        "compiled (the first start with a model, dtype and thread count compiles: the one-token "
-                        "step before it is ready, about a minute, the others while it serves; later starts load "
-                        "them from the cache in about a second)")
+                        "compiled (the first start with a model, dtype and thread count answers eagerly and "
+                        "compiles them in the background, minutes each; later starts load them from the cache "
+                        "in about a second)")
     p.add_argument("--weight-layouts", default="auto", choices=WEIGHT_LAYOUTS,
                    help="auto: also keep each weight in the narrower layouts that time faster on this CPU "
                         "(measured at the first start, cached); dense: the dtype's dense weights only")

@@ -113,7 +113,7 @@ class EngineConfig:
     startup_profile: str = "auto"  # one of STARTUP_PROFILES (adaptive speculation only)
     enforce_eager: bool = False  # else small decode/verify steps run compiled (engine/compiled_step.py)
     # a first start compiles every graph before it is ready (a library's or a benchmark's steady
-    # state); False: only the one-token graph, the rest while it serves (the CLI's default)
+    # state); False: none, they compile one at a time while it serves (the CLI's default)
     wait_compiled: bool = True
     weight_layouts: str = "auto"  # one of WEIGHT_LAYOUTS
 
