@@ -23,12 +23,12 @@ def private_cache_dir(tmp_path_factory):
 def dense_weights_unless_forced():
     """Engines built in this process keep their dense weights: tests that compare two engines'
     greedy tokens (eager and compiled, speculation on and off, alone and batched) need one set of
-    numerics, and which layouts win is timed per machine. tests/test_layouts.py and the fp16
-    oracle test force the fp16 layout themselves."""
+    numerics, and which layouts win is timed per machine. tests/test_layouts.py,
+    tests/test_qblock.py and the layouts' oracle tests force a layout themselves."""
     from tidal.engine import llm_engine
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llm_engine, "choose_fp16_rows", lambda shapes, edges: {})
+        mp.setattr(llm_engine, "choose_layouts", lambda shapes, block_bits, edges: {"fp16": {}, "qblock": {}})
         yield
 
 

@@ -142,7 +142,7 @@ def test_compiling_a_package_leaves_no_copy_of_its_library_in_inductors_cache(ti
     package = tmp_path / "step-one.so"
     model_runner._run_workers([[{"model": str(tiny_model_dir), "dtype": "float32", "device": "cpu",
                                 "threads": torch.get_num_threads(), "aux_layers": [], "block_size": 4,
-                                "graph": "one", "path": str(package)}]])
+                                "qblock": [], "graph": "one", "path": str(package)}]])
     assert [p.name for p in tmp_path.iterdir() if p.is_file()] == [package.name]  # no archive, no partial file
     cached = [p.name for p in cache.rglob("*") if p.is_file()]
     assert any(name.endswith(".kernel.cpp") for name in cached)  # the compile did use that cache

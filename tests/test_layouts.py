@@ -44,18 +44,19 @@ def test_without_the_kernel_the_weights_stay_dense(monkeypatch):
 def test_the_choice_is_measured_once_per_machine_and_cached(monkeypatch):
     calls = []
 
-    def measure(shapes, edges):
+    def measure(shapes, block_bits, edges):
         calls.append(edges)
-        return {s: 4 for s in shapes}
+        return {"fp16": {s: 4 for s in shapes}, "qblock": {}}
 
-    monkeypatch.setattr(llm_engine, "choose_fp16_rows", measure)
+    monkeypatch.setattr(llm_engine, "choose_layouts", measure)
     shapes = [(48, 16), (48, 16), (16, 32)]
     cpu = torch.device("cpu")
-    assert llm_engine.weight_layouts(shapes, cpu, torch.float32, "auto") == {(48, 16): 4, (16, 32): 4}
-    assert llm_engine.weight_layouts(shapes, cpu, torch.float32, "auto") == {(48, 16): 4, (16, 32): 4}
+    chosen = {"fp16": {(48, 16): 4, (16, 32): 4}, "qblock": {}}
+    assert llm_engine.weight_layouts(shapes, {}, cpu, torch.float32, "auto") == chosen
+    assert llm_engine.weight_layouts(shapes, {}, cpu, torch.float32, "auto") == chosen
     assert calls == [EDGES]
-    assert llm_engine.weight_layouts(shapes, cpu, torch.float32, "dense") == {}
-    assert llm_engine.weight_layouts(shapes, cpu, torch.bfloat16, "auto") == {}
+    assert llm_engine.weight_layouts(shapes, {}, cpu, torch.float32, "dense") == {}
+    assert llm_engine.weight_layouts(shapes, {}, cpu, torch.bfloat16, "auto") == {}
     with pytest.raises(ValueError, match="weight_layouts"):
         EngineConfig(weight_layouts="int3")
 
@@ -64,7 +65,7 @@ def test_the_choice_is_measured_once_per_machine_and_cached(monkeypatch):
 def test_compiled_steps_keep_the_dense_weights(tiny_model_dir, monkeypatch, tmp_path):
     """fp16 serves eager steps only: the compiled ones give the eager dense engine's tokens."""
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(llm_engine, "choose_fp16_rows", lambda shapes, edges: {s: edges[-1] for s in shapes})
+    monkeypatch.setattr(llm_engine, "choose_layouts", layout_choice.forced("fp16"))
     kw = dict(dtype="float32", cache=CacheConfig(block_size=4, num_blocks=256))
     compiled = LLM(str(tiny_model_dir), **kw)
     dense = LLM(str(tiny_model_dir), enforce_eager=True, weight_layouts="dense", **kw)

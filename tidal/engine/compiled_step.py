@@ -89,11 +89,14 @@ def compile_package(module: StepGraph, args: tuple, graph: str, path: Path) -> s
     library at `path` (the step's package: weights inside), written whole or not at all. Returns
     the name inductor gave the library (its cache keeps a copy under that name). AOTInductor
     writes a .pt2 archive around the library; the library alone is kept, so that a start loads it
-    in place instead of unpacking the archive (300 MB a graph) to a temp folder each time."""
+    in place instead of unpacking the archive (300 MB a graph) to a temp folder each time, and
+    beside it (same name, .json) the spec by which the library calls tidal's own operator (the
+    block weights' kernel), which torch's runner reads from there."""
     from torch._inductor import aoti_compile_and_package
 
     archive = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
     tmp = path.with_name(f".{path.stem}.{os.getpid()}{path.suffix}")
+    tmp_spec, spec = tmp.with_suffix(".json"), path.with_suffix(".json")
     try:
         with torch.no_grad():
             program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(graph, len(args) - 9),
@@ -102,16 +105,25 @@ def compile_package(module: StepGraph, args: tuple, graph: str, path: Path) -> s
         with zipfile.ZipFile(archive) as z:
             model = [n for n in z.namelist() if "/data/aotinductor/model/" in n]
             (library,) = [n for n in model if n.endswith(".so")]
-            # anything but the library, its sources and metadata (separate weights, a custom-op
-            # executor's spec) would be lost with the archive
-            if extra := [n for n in model if not n.endswith((".so", ".cpp", "_metadata.json"))]:
+            specs = [n for n in model if n == library.removesuffix(".so") + ".json"]
+            # anything but the library, its sources, metadata and spec (separate weights, say)
+            # would be lost with the archive
+            if extra := [n for n in model if not n.endswith((".so", ".cpp", "_metadata.json")) and n not in specs]:
                 raise RuntimeError(f"the compiled step needs files beside its library: {extra}")
             with z.open(library) as src, open(tmp, "wb") as dst:
                 shutil.copyfileobj(src, dst)
-        tmp.replace(path)
+            for name in specs:
+                with z.open(name) as src, open(tmp_spec, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+        if tmp_spec.is_file():
+            tmp_spec.replace(spec)
+        else:
+            spec.unlink(missing_ok=True)
+        tmp.replace(path)  # the library last: a start takes its presence for the package's
     finally:
         archive.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
+        tmp_spec.unlink(missing_ok=True)
     return Path(library).name
 
 

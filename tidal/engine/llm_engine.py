@@ -21,7 +21,8 @@ from tidal.engine.core import EngineCore
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.step_log import StepLog
-from tidal.layers.layout_choice import choose_fp16_rows
+from tidal.layers.layout_choice import choose_layouts
+from tidal.layers.qblock import load_kernel
 from tidal.layers.linear import INT4_MAX_TOKENS, INT4_ROW_TILE
 from tidal.models import loader
 from tidal.models.eagle3 import load_eagle3
@@ -82,25 +83,29 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def weight_layouts(shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
-                   layouts: str) -> dict[tuple[int, int], int]:
-    """Weight shape -> the most rows of a step its fp16 copy serves: measured once per CPU, thread
-    count and torch release (layout_choice.py), then read from the cache. Empty where no narrower
-    layout applies (`layouts` "dense", or not CPU fp32)."""
+def weight_layouts(shapes: list[tuple[int, int]], block_bits: dict[tuple[int, int], int], device: torch.device,
+                   dtype: torch.dtype, layouts: str) -> dict[str, dict[tuple[int, int], int]]:
+    """Layout ("fp16", "qblock") -> weight shape -> the most rows of a step that copy serves:
+    measured once per CPU, thread count and torch release (layout_choice.py), then read from the
+    cache. `block_bits`: the shapes the file stores quantized, and at how many bits. Empty where
+    no narrower layout applies (`layouts` "dense", or not CPU fp32)."""
     if layouts == "dense" or device.type != "cpu" or dtype != torch.float32:
         return {}
+    if block_bits and not load_kernel(profile_cache.cache_dir() / "kernels"):
+        block_bits = {}
     edges = tuple(high for _, high in GRAPHS.values())
     key = "layouts-" + profile_cache.digest({**profile_cache.cpu_identity(), "torch": torch.__version__,
                                             "threads": torch.get_num_threads(), "edges": edges,
-                                            "shapes": sorted(set(shapes))}) + ".json"
+                                            "shapes": sorted(set(shapes)),
+                                            "blocks": sorted([*s, b] for s, b in block_bits.items())}) + ".json"
     record = profile_cache.load_record(key)
     try:
-        return {(int(n), int(k)): int(rows) for n, k, rows in record["fp16"]}
+        return {name: {(int(n), int(k)): int(rows) for n, k, rows in record[name]} for name in ("fp16", "qblock")}
     except (TypeError, KeyError, ValueError):
         pass
-    rows = choose_fp16_rows(shapes, edges)
-    profile_cache.save(key, {"fp16": [[n, k, r] for (n, k), r in rows.items()]})
-    return rows
+    chosen = choose_layouts(shapes, block_bits, edges)
+    profile_cache.save(key, {name: [[n, k, r] for (n, k), r in rows.items()] for name, rows in chosen.items()})
+    return chosen
 
 
 @contextmanager
@@ -143,10 +148,11 @@ class LLMEngine(EngineCore):
             self.tokenizer = loaded.tokenizer
             model = loader.build_model(loaded, self.device, self.dtype)
         with _phase("pack"):
-            fp16_rows = weight_layouts(model.weight_shapes(), self.device, self.dtype, config.weight_layouts)
-            loader.pack_model(model, loaded, self.device, self.dtype, fp16_rows)
+            layouts = weight_layouts(model.weight_shapes(), loader.block_bits(loaded, model), self.device,
+                                     self.dtype, config.weight_layouts)
+            loader.pack_model(model, loaded, self.device, self.dtype, layouts)
             self.runner = ModelRunner(model, config.cache, self.device, self.dtype, config.seed,
-                                      compile=not config.enforce_eager)
+                                      compile=not config.enforce_eager, layouts=layouts)
             self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
             self.scheduler = Scheduler(config.scheduler, self.block_manager)
             self.drafter = make_drafter(config.spec, self.runner, config.model)
@@ -158,12 +164,13 @@ class LLMEngine(EngineCore):
         int4 = any(layer.int4 for layer in model.layers)
         # the step's cost jumps where a kernel or the compiled graph changes
         int4_knots = (INT4_ROW_TILE, INT4_ROW_TILE + 1, INT4_MAX_TOKENS, INT4_MAX_TOKENS + 1)
-        fp16_knots = tuple(k for r in sorted({w.max_rows for w in model.fp16_weights()}) for k in (r, r + 1))
+        narrow_rows = {w.max_rows for w in model.fp16_weights()} | set(layouts.get("qblock", {}).values())
+        narrow_knots = tuple(k for r in sorted(narrow_rows - {0}) for k in (r, r + 1))
         compiled = self.runner.compiled
         compiled_knots = (compiled.MAX_TOKENS, compiled.MAX_TOKENS + 1) if compiled is not None else ()
         super().__init__(self.scheduler, self.runner, self.drafter,
                          self._make_policy() if self.drafter is not None else None, time.perf_counter,
-                         DEFAULT_KNOTS + (int4_knots if int4 else ()) + fp16_knots + compiled_knots)
+                         DEFAULT_KNOTS + (int4_knots if int4 else ()) + narrow_knots + compiled_knots)
         self.step_log = StepLog(config.step_log, tuple(self.step_cost.knots)) if config.step_log else None
         self._profile_rows: dict[str, list] | None = None  # while profiling: what it measured
         if self.policy is not None and self.policy.mode == "adaptive" and config.startup_profile != "off":

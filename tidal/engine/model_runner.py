@@ -24,6 +24,7 @@ from tidal.engine.compiled_step import (COMPILED_MAX_TOKENS, GRAPHS, InductorSte
                                         compile_package, flat_args, graph_of)
 from tidal.engine.scheduler import ScheduledSeq
 from tidal.layers.attention import AttentionGroup, AttentionMetadata
+from tidal.layers.qblock import load_kernel
 from tidal.layers.sampler import sample
 from tidal.models import loader
 from tidal.models.llama import LlamaModel
@@ -76,8 +77,10 @@ class ModelRunner:
     """Owns the model, its KV cache and the per-request sampling generators."""
 
     def __init__(self, model: LlamaModel, cache: CacheConfig, device: torch.device,
-                 dtype: torch.dtype, seed: int = 0, compile: bool = False):
+                 dtype: torch.dtype, seed: int = 0, compile: bool = False, layouts: dict | None = None):
         self.model, self.cfg, self.device, self.dtype = model, model.cfg, device, dtype
+        # the block layout's rows by weight shape: the compiled steps call its kernel
+        self.block_rows = sorted([n, k, r] for (n, k), r in (layouts or {}).get("qblock", {}).items())
         self.compile = compile  # small steps compiled at warm_up
         self.compiled: PackagedStep | InductorStep | None = None
         self.compiled_key: str | None = None  # what the compiled steps were built from (their packages' key)
@@ -275,7 +278,8 @@ class ModelRunner:
         """The graphs' packages, compiled now (in parallel processes) where the cache lacks them;
         with `background`, left compiling (self.compiling) in one process, the one-token graph first."""
         job = {"model": model, "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
-               "threads": torch.get_num_threads(), "aux_layers": list(self.aux_layers), "block_size": self.block_size}
+               "threads": torch.get_num_threads(), "aux_layers": list(self.aux_layers), "block_size": self.block_size,
+               "qblock": self.block_rows}
         key = profile_cache.digest({**job, "model": profile_cache.file_identity(model or loader.default_model_path()),
                                     "source": _source_digest(), "tidal": __version__, "torch": torch.__version__,
                                     "cpu": torch.backends.cpu.get_cpu_capability(), "max_tokens": COMPILED_MAX_TOKENS})
@@ -376,7 +380,8 @@ def _source_digest() -> str:
     """The source a compiled step is traced from (layers, models, the step), so that a package
     never outlives the code it was compiled from."""
     root = Path(__file__).parents[1]  # the package
-    files = sorted([*root.glob("layers/*.py"), *root.glob("models/*.py"), root / "engine" / "compiled_step.py"])
+    files = sorted([*root.glob("layers/*.py"), *root.glob("models/*.py"), *root.glob("kernels/*.cpp"),
+                    root / "engine" / "compiled_step.py"])
     h = hashlib.sha256()
     for f in files:
         h.update(f.read_bytes())
@@ -448,7 +453,9 @@ def build_package(job: dict) -> None:
     device, dtype = torch.device(job["device"]), getattr(torch, job["dtype"])
     loaded = loader.load(job["model"])
     model = loader.build_model(loaded, device, dtype)
-    loader.pack_model(model, loaded, device, dtype)
+    if job["qblock"] and not load_kernel(profile_cache.cache_dir() / "kernels"):
+        raise RuntimeError("the block weights' kernel did not build")
+    loader.pack_model(model, loaded, device, dtype, {"qblock": {(n, k): r for n, k, r in job["qblock"]}})
     runner = ModelRunner(model, CacheConfig(block_size=job["block_size"], num_blocks=4), device, dtype)
     ids, positions, meta, rows = runner.example_steps()[job["graph"]]
     args = flat_args(ids, positions, meta, torch.tensor(rows, device=device),

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tidal.layers.qblock import QBlockWeight
+
 INT4_MAX_TOKENS = 8
 # ...and within it the kernel's cost jumps between 4 and 5 rows (benchmarks/int4_vs_dense.py),
 # so the step-cost model gets a knot there too
@@ -144,8 +146,10 @@ def int4_copies(owner, names) -> dict[str, Int4Weight]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, int4: Int4Weight | None = None,
            packed: PackedWeight | None = None, int8: Int8Weight | None = None,
-           fp16: Fp16Weight | None = None) -> torch.Tensor:
+           fp16: Fp16Weight | None = None, qblock: QBlockWeight | None = None) -> torch.Tensor:
     """x @ weight.T through the fastest copy of the weight there is for x's row count."""
+    if qblock is not None and x.shape[0] <= qblock.max_rows:
+        return qblock(x)
     if fp16 is not None and x.shape[0] <= fp16.max_rows and not torch.compiler.is_compiling():
         return fp16(x)
     if int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:

@@ -13,6 +13,7 @@ from torch import nn
 from tidal.config import ModelConfig
 from tidal.layers.attention import AttentionMetadata, paged_attention
 from tidal.layers.linear import Fp16Weight, Int4Weight, Int8Weight, PackedWeight, linear, packed_copies
+from tidal.layers.qblock import QBlockWeight
 from tidal.layers.norm import rms_norm
 from tidal.layers.rotary import apply_rope, rope_cache
 
@@ -37,6 +38,7 @@ class DecoderLayer(nn.Module):
         self.int4: dict[str, Int4Weight] = {}  # optional packed 4-bit copies, by parameter name
         self.packed: dict[str, PackedWeight] = {}  # optional oneDNN-packed dense copies (CPU bf16)
         self.fp16: dict[str, Fp16Weight] = {}  # optional fp16 copies for small eager steps (CPU fp32)
+        self.qblock: dict[str, QBlockWeight] = {}  # optional 4-bit block copies for small steps (CPU fp32)
 
     def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         return self.block(h, rms_norm(h, self.input_norm, self.cfg.rms_norm_eps), cos, sin, k_cache, v_cache, meta)
@@ -64,7 +66,8 @@ class DecoderLayer(nn.Module):
         return h + self._linear("down_proj", F.silu(gate) * up)
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, getattr(self, name), self.int4.get(name), self.packed.get(name), fp16=self.fp16.get(name))
+        return linear(x, getattr(self, name), self.int4.get(name), self.packed.get(name), fp16=self.fp16.get(name),
+                      qblock=self.qblock.get(name))
 
     def pack_dense(self) -> None:
         """Pack the projections for oneDNN once (inference only: the copies do not follow the
@@ -86,6 +89,7 @@ class LlamaModel(nn.Module):
         self.packed_head: PackedWeight | None = None
         self.int8_head: Int8Weight | None = None
         self.fp16_head: Fp16Weight | None = None
+        self.qblock_head: QBlockWeight | None = None
         cos, sin = rope_cache(cfg.head_dim, cfg.max_model_len, cfg.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -115,6 +119,18 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             layer.fp16 = {n: c for n in PROJECTIONS if (c := copy(getattr(layer, n))) is not None}
         self.fp16_head = copy(self.unembedding)
+
+    def attach_qblock(self, codes: dict[str, tuple], max_rows: dict[tuple[int, int], int], head: bool) -> None:
+        """Block copies of the layer weights the file stores at 4 bits (`codes`, as attach_int4
+        takes them) and, with `head`, of the output head at 8 bits, each serving steps of up to
+        its shape's `max_rows` (none where that is 0)."""
+        for name, (q, scale, minimum) in codes.items():
+            _, i, param = name.split(".")
+            if rows := max_rows.get(tuple(q.shape), 0):
+                self.layers[int(i)].qblock[param] = QBlockWeight.from_q4_codes(q, scale, minimum, rows)
+        rows = max_rows.get(tuple(self.unembedding.shape), 0)
+        if head and rows and QBlockWeight.supported(self.unembedding):
+            self.qblock_head = QBlockWeight.quantize_q8(self.unembedding, rows)
 
     def fp16_weights(self) -> list[Fp16Weight]:
         """The fp16 copies, layer by layer, then the head's."""
@@ -158,4 +174,4 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.unembedding, packed=self.packed_head, int8=self.int8_head,
-                      fp16=self.fp16_head).float()
+                      fp16=self.fp16_head, qblock=self.qblock_head).float()

@@ -40,13 +40,26 @@ def build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -
     return model.to(device=device, dtype=dtype)
 
 
+def block_bits(loaded: LoadedModel, model: LlamaModel) -> dict[tuple[int, int], int]:
+    """The weight shapes the file stores block-quantized, and the bits of their block layout: its
+    4-bit projections at 4, its quantized output head at 8."""
+    bits = {tuple(q.shape): 4 for q, _, _ in loaded.int4_codes.values()}
+    if loaded.quantized_head:
+        bits[tuple(model.unembedding.shape)] = 8
+    return bits
+
+
 def pack_model(model: LlamaModel, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
-               fp16_rows: dict[tuple[int, int], int] | None = None) -> None:
+               layouts: dict[str, dict[tuple[int, int], int]] | None = None) -> None:
     """Copies of the weights in the layouts torch's CPU kernels read fastest: 4-bit and the 8-bit
     head where the file stores them so (CPU bf16, the kernels' case), oneDNN-packed dense ones;
-    fp16 ones (CPU fp32) for the steps `fp16_rows` (weight shape -> most rows) says they win."""
-    if fp16_rows:
-        model.attach_fp16(fp16_rows)
+    on CPU fp32, where `layouts` (layout -> weight shape -> most rows) says they win, block ones
+    (the file's own 4-bit codes and an 8-bit head) and fp16 ones."""
+    layouts = layouts or {}
+    if layouts.get("qblock"):
+        model.attach_qblock(loaded.int4_codes, layouts["qblock"], head=loaded.quantized_head)
+    if layouts.get("fp16"):
+        model.attach_fp16(layouts["fp16"])
     if device.type == "cpu" and dtype == torch.bfloat16:
         if loaded.int4_codes:
             model.attach_int4(loaded.int4_codes, dtype)

@@ -1,0 +1,106 @@
+"""Block-quantized weights (GGUF's Q4_1 and Q8_0 layouts) and tidal's kernel for them: the
+blocks hold the file's weights exactly, the kernel multiplies by exactly those weights (its only
+rounding is the activations', to 8 bits a block), inside a compiled step as in an eager one."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tidal.config import CacheConfig
+from tidal.engine import profile_cache
+from tidal.engine.compiled_step import LoadedPackage, StepGraph, compile_package, flat_args
+from tidal.engine.model_runner import ModelRunner
+from tidal.layers.linear import linear
+from tidal.layers.qblock import QBlockWeight, load_kernel
+from tidal.models import loader
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if not load_kernel(profile_cache.cache_dir() / "kernels"):
+        pytest.skip("the block kernel does not build here (no compiler or ninja)")
+
+
+def q8_weight(n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """A weight as GGUF's Q8_0 stores one: int8 codes (each block reaching 127) times an fp16 scale."""
+    codes = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    codes[..., 0] = 127
+    scale = (torch.rand(n, k // 32, 1, generator=g) * 1e-3).half().float()
+    return (codes * scale).view(n, k)
+
+
+def exact_rows(m: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Activations the kernel's 8-bit rounding keeps exactly: integers, each block reaching 127."""
+    x = torch.randint(-127, 128, (m, k // 32, 32), generator=g).float()
+    x[..., 5] = -127
+    return x.view(m, k)
+
+
+def test_q4_blocks_hold_the_files_codes_exactly():
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (48, 96), generator=g)
+    scale, minimum = torch.rand(48, 3, generator=g) * 0.01, -torch.rand(48, 3, generator=g) * 0.05
+    w = QBlockWeight.from_q4_codes(codes, scale, minimum, max_rows=8)
+    want = codes.view(48, 3, 32).float() * scale.half().float()[..., None] + minimum.half().float()[..., None]
+    assert w.blocks.shape == (48, 3 * 20) and w.blocks.dtype == torch.uint8
+    assert torch.equal(w.dequantize(), want.view(48, 96))
+
+
+def test_a_q8_weight_comes_back_from_its_blocks_exactly():
+    w = q8_weight(40, 64, torch.Generator().manual_seed(1))
+    assert torch.equal(QBlockWeight.quantize_q8(w, max_rows=8).dequantize(), w)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 20])
+def test_the_kernel_multiplies_by_the_blocks_weight(bits, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(72, 160, generator=g) * 0.05
+    q = QBlockWeight.quantize_q4(w, 64) if bits == 4 else QBlockWeight.quantize_q8(w, 64)
+    x = exact_rows(rows, 160, g)
+    torch.testing.assert_close(q(x), x @ q.dequantize().t(), rtol=1e-5, atol=1e-4)
+    y = torch.randn(rows, 160, generator=g)  # any activations: off by their 8-bit rounding only
+    ref = y @ q.dequantize().t()
+    assert ((q(y) - ref).norm() / ref.norm()).item() < 0.02
+
+
+def test_linear_takes_the_blocks_up_to_their_rows_then_the_dense_weight():
+    g = torch.Generator().manual_seed(2)
+    w = q8_weight(64, 96, g)
+    q = QBlockWeight.quantize_q8(w, max_rows=4)
+    x = exact_rows(4, 96, g)
+    torch.testing.assert_close(linear(x, w, qblock=q), x @ w.t(), rtol=1e-5, atol=1e-4)
+    big = torch.randn(5, 96, generator=g)
+    assert torch.equal(linear(big, w, qblock=q), F.linear(big, w))
+
+
+def test_bad_shapes_get_a_clear_error():
+    q = QBlockWeight.quantize_q4(torch.randn(16, 64), 8)
+    with pytest.raises(RuntimeError, match="do not match"):
+        q(torch.randn(2, 96))
+    with pytest.raises(RuntimeError, match="bits must be 4"):
+        torch.ops.tidal_qblock.linear(torch.randn(2, 64), q.blocks, 5)
+    with pytest.raises(RuntimeError, match="float32"):
+        q(torch.randn(2, 64, dtype=torch.float64))
+
+
+def test_a_compiled_step_calls_the_kernel_and_matches_eager(tiny_model_dir, tmp_path):
+    """The one-token graph over block weights, compiled to its package (library and the spec by
+    which it calls the kernel), loaded in place: the eager step's logits."""
+    torch.manual_seed(0)
+    loaded = loader.load(str(tiny_model_dir))
+    model = loader.build_model(loaded, torch.device("cpu"), torch.float32)
+    for layer in model.layers:
+        layer.qblock = {n: QBlockWeight.quantize_q4(getattr(layer, n), 64)
+                        for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    model.qblock_head = QBlockWeight.quantize_q8(model.unembedding, 64)
+    runner = ModelRunner(model, CacheConfig(block_size=4, num_blocks=4), torch.device("cpu"), torch.float32)
+    ids, positions, meta, rows = runner.example_steps()["one"]
+    kv = tuple(torch.randn_like(t) for pair in runner.kv_caches for t in pair)
+    args = flat_args(ids, positions, meta, torch.tensor(rows), kv)
+    with torch.no_grad():
+        want = StepGraph(model, ()).eval()(*args)[0]
+    path = tmp_path / "step-one.so"
+    compile_package(StepGraph(model, ()).eval(), args, "one", path)
+    assert path.with_suffix(".json").is_file()
+    torch.testing.assert_close(LoadedPackage(path)(*args)[0], want, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,175 @@
+// x @ W.T for W stored as ggml-style blocks of 32 weights along K, one row of blocks per output:
+//   Q4_1 (20 bytes): fp16 scale d, fp16 minimum m, 16 bytes whose low nibbles are weights 0..15
+//                    and high nibbles 16..31; weight = d * code + m
+//   Q8_0 (34 bytes): fp16 scale d, 32 int8 codes; weight = d * code
+// x is rounded per block of 32 to int8 with its own scale (as llama.cpp does on the CPU), so each
+// block's dot product is an integer one: on AVX2, 32 byte products summed in three instructions.
+// Each weight block is read once per call and multiplied into every row of x.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QB_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;
+constexpr int64_t ROWS = 8;  // rows of x per pass over the weights
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef QB_AVX2
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// x [M, K] float -> int8 codes [M, K] and per block: scale, and scale * sum(codes)
+void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* s) {
+  const int64_t nb = k / QK;
+  at::parallel_for(0, m * nb, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* v = x + i * QK;
+      float amax = 0.f;
+      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int sum = 0;
+      for (int j = 0; j < QK; ++j) {
+        const int c = static_cast<int>(std::nearbyint(v[j] * inv));
+        q[i * QK + j] = static_cast<int8_t>(c);
+        sum += c;
+      }
+      d[i] = scale;
+      s[i] = scale * static_cast<float>(sum);
+    }
+  });
+}
+
+#ifdef QB_AVX2
+inline float hsum(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+// sum of u8 * s8 products of 32 lanes, as 8 floats
+inline __m256 dot32(__m256i u, __m256i s) {
+  const __m256i p16 = _mm256_maddubs_epi16(u, s);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+#endif
+
+// one output column over `Rows` rows of x (a template argument, so the accumulators stay in registers)
+template <bool Q4, int Rows>
+void rows_of_w(const uint8_t* w, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
+               float* out, int64_t ldo) {
+  constexpr int64_t rows = Rows;
+  const int64_t bsize = Q4 ? 20 : 34;
+#ifdef QB_AVX2
+  __m256 acc[Rows];
+  float mins[Rows];
+  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bsize;
+    const float dw = half_to_float(blk);
+    if (Q4) {
+      const float mw = half_to_float(blk + 2);
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = r * nb + b;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * QK));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i]), dot32(codes, xv), acc[r]);
+        mins[r] += mw * xs[i];
+      }
+    } else {
+      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+      const __m256i mag = _mm256_sign_epi8(codes, codes);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = r * nb + b;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * QK));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i]), dot32(mag, _mm256_sign_epi8(xv, codes)), acc[r]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) out[r * ldo] = hsum(acc[r]) + mins[r];
+#else
+  float acc[Rows] = {0.f};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bsize;
+    const float dw = half_to_float(blk);
+    const float mw = Q4 ? half_to_float(blk + 2) : 0.f;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r * nb + b;
+      const int8_t* xv = xq + i * QK;
+      int sum = 0;
+      if (Q4) {
+        for (int j = 0; j < 16; ++j)
+          sum += (blk[4 + j] & 0x0F) * xv[j] + (blk[4 + j] >> 4) * xv[j + 16];
+      } else {
+        for (int j = 0; j < QK; ++j) sum += static_cast<int8_t>(blk[2 + j]) * xv[j];
+      }
+      acc[r] += dw * xd[i] * static_cast<float>(sum) + mw * xs[i];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) out[r * ldo] = acc[r];
+#endif
+}
+
+using Kernel = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, float*, int64_t);
+
+template <bool Q4>
+Kernel kernels(int64_t rows) {
+  static constexpr Kernel table[ROWS] = {rows_of_w<Q4, 1>, rows_of_w<Q4, 2>, rows_of_w<Q4, 3>, rows_of_w<Q4, 4>,
+                                         rows_of_w<Q4, 5>, rows_of_w<Q4, 6>, rows_of_w<Q4, 7>, rows_of_w<Q4, 8>};
+  return table[rows - 1];
+}
+
+at::Tensor qblock_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "qblock_linear: bits must be 4 (Q4_1) or 8 (Q8_0), got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qblock_linear: x must be a 2-D float32 tensor");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "qblock_linear: blocks must be a contiguous 2-D uint8 tensor");
+  const int64_t m = x.size(0), k = x.size(1), n = blocks.size(0), nb = k / QK;
+  const int64_t bsize = bits == 4 ? 20 : 34;
+  TORCH_CHECK(k % QK == 0 && blocks.size(1) == nb * bsize, "qblock_linear: x has ", k,
+              " columns, which the weight's blocks of ", blocks.size(1), " bytes a row do not match");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xd(m * nb), xs(m * nb);
+  quantize_rows(xc.data_ptr<float>(), m, k, xq.data(), xd.data(), xs.data());
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+      const int64_t rows = std::min(ROWS, m - r0);
+      const int64_t off = r0 * nb;
+      const auto kernel = bits == 4 ? kernels<true>(rows) : kernels<false>(rows);
+      for (int64_t j = begin; j < end; ++j)
+        kernel(w + j * nb * bsize, nb, xq.data() + off * QK, xd.data() + off, xs.data() + off, o + r0 * n + j, n);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tidal_qblock, m) { m.def("linear(Tensor x, Tensor blocks, int bits) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(tidal_qblock, CPU, m) { m.impl("linear", qblock_linear); }

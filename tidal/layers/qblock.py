@@ -1,0 +1,125 @@
+"""Weights kept as ggml-style blocks of 32 (Q4_1: 4-bit codes with a scale and a minimum; Q8_0:
+8-bit codes with a scale) and multiplied by tidal's own CPU kernel (tidal/kernels/qblock.cpp),
+which rounds the activations to 8 bits per block, as llama.cpp does, and sums byte products.
+
+Reading 0.6-1.1 bytes a weight instead of fp32's 4 is what a small step on a CPU needs; torch has
+no kernel for it where the activations are fp32 (its int4/int8 ones are slower than the fp32
+matmul there, and its dynamic-int8 one is a per-row layout that cannot hold GGUF's 4-bit blocks),
+and ggml's kernels are not a library API, so the kernel is ours: AVX2 where the CPU
+has it, portable C++ elsewhere. GGUF's Q4_1 weights and its Q8_0 output head are held
+exactly; the loss is the activations' rounding (docs/results/notebook.md).
+
+The kernel is compiled once per machine, torch release and source (seconds, with torch's
+extension builder and ninja) into the cache; a machine that cannot build it keeps dense weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tidal.engine")
+
+QK = 32  # weights per block
+BLOCK_BYTES = {4: 20, 8: 34}  # Q4_1 and Q8_0 blocks
+SOURCE = Path(__file__).parents[1] / "kernels" / "qblock.cpp"
+_loaded: bool | None = None
+
+
+def _flags() -> list[str]:
+    """AVX2 code where torch itself dispatches to AVX2 or wider (so ATEN_CPU_CAPABILITY=avx2
+    holds this kernel to AVX2 too); the portable path elsewhere."""
+    isa = torch.backends.cpu.get_cpu_capability()
+    vector = ["-mavx2", "-mfma", "-mf16c"] if isa.startswith(("AVX2", "AVX512")) else []
+    return ["-O3", "-fopenmp", *vector]
+
+
+def load_kernel(directory: Path) -> bool:
+    """Build (once, into `directory`) and load the kernel; False where it cannot be built here."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    from torch.utils.cpp_extension import load
+
+    flags = _flags()
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((flags, torch.__version__)).encode()).hexdigest()[:16]
+    build = directory / f"qblock-{key}"
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        load(name="tidal_qblock", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+             build_directory=str(build), is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler or ninja: the dense weights serve
+        log.warning("block-quantized weights unavailable (the kernel did not build): %s", e)
+        _loaded = False
+        return False
+
+    @torch.library.register_fake("tidal_qblock::linear")
+    def _(x, blocks, bits):
+        return x.new_empty(x.shape[0], blocks.shape[0])
+
+    _loaded = True
+    return True
+
+
+class QBlockWeight:
+    """A [N, K] weight as N rows of blocks (uint8 [N, K / 32 * block bytes]), serving steps of
+    at most `max_rows` rows, eager and compiled alike (the op is a torch operator)."""
+
+    def __init__(self, blocks: torch.Tensor, bits: int, max_rows: int):
+        self.blocks, self.bits, self.max_rows = blocks.contiguous(), bits, max_rows
+
+    @staticmethod
+    def supported(weight: torch.Tensor) -> bool:
+        return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+                and weight.shape[1] % QK == 0)
+
+    @classmethod
+    def from_q4_codes(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                      max_rows: int) -> "QBlockWeight":
+        """codes [N, K] in 0..15, scale and minimum [N, K / 32]: weight = code * scale + minimum
+        (GGUF's Q4_1, and Q4_0 with minimum = -8 * scale), each fp16 as GGUF stores them."""
+        n, k = codes.shape
+        c = codes.to(torch.uint8).view(n, k // QK, QK)
+        nibbles = c[..., :16] | (c[..., 16:] << 4)
+        halves = [t.to(torch.float16).view(torch.uint8).view(n, k // QK, 2) for t in (scale, minimum)]
+        return cls(torch.cat([*halves, nibbles], dim=-1).view(n, -1), 4, max_rows)
+
+    @classmethod
+    def quantize_q8(cls, weight: torch.Tensor, max_rows: int) -> "QBlockWeight":
+        """Round each block of 32 to int8 with the scale max|w| / 127 in fp16 (GGUF's Q8_0, which
+        a Q8_0 weight dequantized to fp32 comes back to exactly)."""
+        n, k = weight.shape
+        g = weight.detach().float().view(n, k // QK, QK)
+        scale = (g.abs().amax(-1) / 127).to(torch.float16)
+        inv = torch.where(scale > 0, 1 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
+        codes = (g * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+        return cls(torch.cat([scale.view(torch.uint8).view(n, k // QK, 2), codes.view(torch.uint8)], -1).view(n, -1),
+                   8, max_rows)
+
+    @classmethod
+    def quantize_q4(cls, weight: torch.Tensor, max_rows: int) -> "QBlockWeight":
+        """Round each block of 32 to 4 bits over its own range (GGUF's Q4_1); for timing shapes."""
+        n, k = weight.shape
+        g = weight.detach().float().view(n, k // QK, QK)
+        low = g.amin(-1)
+        scale = ((g.amax(-1) - low) / 15).clamp(min=1e-12)
+        codes = ((g - low[..., None]) / scale[..., None]).round().clamp(0, 15).view(n, k)
+        return cls.from_q4_codes(codes, scale, low, max_rows)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as fp32 [N, K] (what the kernel multiplies by)."""
+        n = self.blocks.shape[0]
+        b = self.blocks.view(n, -1, BLOCK_BYTES[self.bits])
+        scale = b[..., 0:2].contiguous().view(torch.float16).float()
+        if self.bits == 8:
+            return (b[..., 2:].contiguous().view(torch.int8).float() * scale).view(n, -1)
+        minimum = b[..., 2:4].contiguous().view(torch.float16).float()
+        q = b[..., 4:]
+        codes = torch.cat([q & 0x0F, q >> 4], dim=-1).float()
+        return (codes * scale + minimum).view(n, -1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tidal_qblock.linear(x, self.blocks, self.bits)
