@@ -12,6 +12,7 @@ from tidal.engine.compiled_step import LoadedPackage, StepGraph, compile_package
 from tidal.engine.model_runner import ModelRunner
 from tidal.layers.linear import linear
 from tidal.layers.qblock import QBlockWeight, load_kernel
+from tests.conftest import make_tiny_llama
 from tidal.models import loader
 
 
@@ -84,16 +85,31 @@ def test_bad_shapes_get_a_clear_error():
         q(torch.randn(2, 64, dtype=torch.float64))
 
 
-def test_a_compiled_step_calls_the_kernel_and_matches_eager(tiny_model_dir, tmp_path):
-    """The one-token graph over block weights, compiled to its package (library and the spec by
-    which it calls the kernel), loaded in place: the eager step's logits."""
-    torch.manual_seed(0)
-    loaded = loader.load(str(tiny_model_dir))
-    model = loader.build_model(loaded, torch.device("cpu"), torch.float32)
+def test_a_tied_q8_embedding_is_looked_up_in_the_head_blocks(tmp_path):
+    make_tiny_llama(tmp_path, tie=True)
+    model = loader.build_model(loader.load(str(tmp_path)), torch.device("cpu"), torch.float32)
+    head_shape = {tuple(model.unembedding.shape): 64}
+    model.attach_qblock({}, head_shape, head=True)
+    assert model.qblock_embed is None  # random fp32 weights: the blocks round them
+    model.embed.data = QBlockWeight.quantize_q8(model.embed, 64).dequantize()  # as a Q8_0 file stores it
+    model.attach_qblock({}, head_shape, head=True)
+    ids = torch.tensor([5, 0, 257, 5])
+    assert model.qblock_embed is model.qblock_head
+    assert torch.equal(model.qblock_embed.rows(ids), model.embed[ids])
+
+
+def test_a_compiled_step_calls_the_kernel_and_matches_eager(tmp_path):
+    """The one-token graph over block weights (embedding lookup, projections, head), compiled to
+    its package (library and the spec by which it calls the kernel), loaded in place: the eager
+    step's logits."""
+    make_tiny_llama(tmp_path / "tied", tie=True)
+    model = loader.build_model(loader.load(str(tmp_path / "tied")), torch.device("cpu"), torch.float32)
     for layer in model.layers:
         layer.qblock = {n: QBlockWeight.quantize_q4(getattr(layer, n), 64)
                         for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
-    model.qblock_head = QBlockWeight.quantize_q8(model.unembedding, 64)
+    model.embed.data = QBlockWeight.quantize_q8(model.embed, 64).dequantize()
+    model.attach_qblock({}, {tuple(model.unembedding.shape): 64}, head=True)
+    assert model.qblock_embed is not None
     runner = ModelRunner(model, CacheConfig(block_size=4, num_blocks=4), torch.device("cpu"), torch.float32)
     ids, positions, meta, rows = runner.example_steps()["one"]
     kv = tuple(torch.randn_like(t) for pair in runner.kv_caches for t in pair)

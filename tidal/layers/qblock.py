@@ -111,15 +111,23 @@ class QBlockWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [N, K] (what the kernel multiplies by)."""
-        n = self.blocks.shape[0]
-        b = self.blocks.view(n, -1, BLOCK_BYTES[self.bits])
-        scale = b[..., 0:2].contiguous().view(torch.float16).float()
-        if self.bits == 8:
-            return (b[..., 2:].contiguous().view(torch.int8).float() * scale).view(n, -1)
-        minimum = b[..., 2:4].contiguous().view(torch.float16).float()
-        q = b[..., 4:]
-        codes = torch.cat([q & 0x0F, q >> 4], dim=-1).float()
-        return (codes * scale + minimum).view(n, -1)
+        return _dequantize(self.blocks, self.bits)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight as fp32 [len(ids), K]: an embedding lookup from the blocks."""
+        return _dequantize(self.blocks[ids], self.bits)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.tidal_qblock.linear(x, self.blocks, self.bits)
+
+
+def _dequantize(blocks: torch.Tensor, bits: int) -> torch.Tensor:
+    n = blocks.shape[0]
+    b = blocks.view(n, -1, BLOCK_BYTES[bits])
+    scale = b[..., 0:2].contiguous().view(torch.float16).float()
+    if bits == 8:
+        return (b[..., 2:].contiguous().view(torch.int8).float() * scale).view(n, -1)
+    minimum = b[..., 2:4].contiguous().view(torch.float16).float()
+    q = b[..., 4:]
+    codes = torch.cat([q & 0x0F, q >> 4], dim=-1).float()
+    return (codes * scale + minimum).view(n, -1)

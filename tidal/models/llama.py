@@ -90,6 +90,7 @@ class LlamaModel(nn.Module):
         self.int8_head: Int8Weight | None = None
         self.fp16_head: Fp16Weight | None = None
         self.qblock_head: QBlockWeight | None = None
+        self.qblock_embed: QBlockWeight | None = None  # the head's blocks, where they hold the embedding exactly
         cos, sin = rope_cache(cfg.head_dim, cfg.max_model_len, cfg.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -131,6 +132,10 @@ class LlamaModel(nn.Module):
         rows = max_rows.get(tuple(self.unembedding.shape), 0)
         if head and rows and QBlockWeight.supported(self.unembedding):
             self.qblock_head = QBlockWeight.quantize_q8(self.unembedding, rows)
+            # a tied Q8_0 embedding comes back exactly: look tokens up in the blocks, so that
+            # steps the head's blocks serve need no fp32 copy of the embedding
+            if self.cfg.tie_word_embeddings and torch.equal(self.qblock_head.dequantize(), self.embed):
+                self.qblock_embed = self.qblock_head
 
     def fp16_weights(self) -> list[Fp16Weight]:
         """The fp16 copies, layer by layer, then the head's."""
@@ -159,7 +164,7 @@ class LlamaModel(nn.Module):
     def run(self, input_ids, positions, kv_caches, meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()):
         """`forward` without inference mode, which torch.compile cannot capture (it mutates the
         KV cache); compiled steps run it under no_grad."""
-        h = F.embedding(input_ids, self.embed)
+        h = self.qblock_embed.rows(input_ids) if self.qblock_embed is not None else F.embedding(input_ids, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
         aux = []
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
