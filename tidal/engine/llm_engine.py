@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import time
@@ -108,6 +109,15 @@ def weight_layouts(shapes: list[tuple[int, int]], block_bits: dict[tuple[int, in
     return chosen
 
 
+def _return_freed_heap() -> None:
+    """Hand the heap that loading freed (the file's dequantized transients, hundreds of MB that
+    glibc keeps for reuse) back to the OS; nothing where the C library is not glibc."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 @contextmanager
 def _phase(name: str):
     """Log one start-up phase with its seconds."""
@@ -156,6 +166,8 @@ class LLMEngine(EngineCore):
             self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
             self.scheduler = Scheduler(config.scheduler, self.block_manager)
             self.drafter = make_drafter(config.spec, self.runner, config.model)
+            del loaded
+            _return_freed_heap()
         if not config.enforce_eager:
             with _phase("compile"):
                 self.runner.warm_up(config.model, background=not config.wait_compiled)
