@@ -24,11 +24,22 @@ def dense_weights_unless_forced():
     """Engines built in this process keep their dense weights: tests that compare two engines'
     greedy tokens (eager and compiled, speculation on and off, alone and batched) need one set of
     numerics, and which layouts win is timed per machine. tests/test_layouts.py,
-    tests/test_qblock.py and the layouts' oracle tests force a layout themselves."""
+    tests/test_qblock.py and the layouts' oracle tests force a layout themselves (by replacing
+    choose_layouts). A choice cached by a subprocess (`tidal generate` in test_cli.py times the
+    layouts for real) is not read either."""
     from tidal.engine import llm_engine
 
+    def dense(shapes, block_bits, edges):
+        return {"fp16": {}, "qblock": {}}
+
+    measured = llm_engine.weight_layouts
+
+    def dense_unless_forced(*args, **kwargs):
+        return {} if llm_engine.choose_layouts is dense else measured(*args, **kwargs)
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llm_engine, "choose_layouts", lambda shapes, block_bits, edges: {"fp16": {}, "qblock": {}})
+        mp.setattr(llm_engine, "choose_layouts", dense)
+        mp.setattr(llm_engine, "weight_layouts", dense_unless_forced)
         yield
 
 
