@@ -120,3 +120,15 @@ def test_a_compiled_step_calls_the_kernel_and_matches_eager(tmp_path):
     compile_package(StepGraph(model, ()).eval(), args, "one", path)
     assert path.with_suffix(".json").is_file()
     torch.testing.assert_close(LoadedPackage(path)(*args)[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_loader_reads_q8_0_as_gguf_dequantizes_it():
+    import gguf
+    import numpy as np
+
+    from tidal.models.gguf_file import GGUFFile
+
+    head = GGUFFile(loader.default_model_path()).tensors["token_embd.weight"]
+    assert head.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    want = np.asarray(gguf.quants.dequantize(head.data, head.tensor_type), dtype=np.float32)
+    assert np.array_equal(loader._q8_0_weights(head), want.reshape(-1, want.shape[-1]))

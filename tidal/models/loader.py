@@ -148,7 +148,10 @@ def _load_gguf(path: Path) -> LoadedModel:
             n, k = codes.shape
             blocks = codes.reshape(n, k // 32, 32).astype(np.float32) * scale[..., None] + minimum[..., None]
             return blocks.reshape(n, k)
-        a = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if t.tensor_type == Q.Q8_0:
+            a = _q8_0_weights(t)
+        else:
+            a = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         a = a if a.flags.writeable else a.copy()  # F32 tensors come back as views of the mmap
         return a if heads is None else _unpermute(a, heads)
 
@@ -217,6 +220,16 @@ def _q4_codes(t, n_head: int | None = None):
     if n_head is not None:
         codes, scale, minimum = (_unpermute(a, n_head) for a in (codes, scale, minimum))
     return codes, scale, minimum
+
+
+def _q8_0_weights(t) -> np.ndarray:
+    """A Q8_0 tensor in float32, as gguf dequantizes it (blocks of an fp16 scale d and 32 int8
+    codes q; weight = d * q), in one vectorised pass instead of gguf's row groups (0.4 s for
+    the bundled model's 28M-weight embedding)."""
+    k, n = int(t.shape[0]), int(t.shape[1])
+    blocks = np.asarray(t.data).reshape(n, k // 32, 34)
+    scale = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+    return (blocks[..., 2:].view(np.int8).astype(np.float32) * scale).reshape(n, k)
 
 
 def _gguf_tokenizer(meta: dict) -> Tokenizer:
