@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -44,6 +46,12 @@ def load_kernel(directory: Path) -> bool:
         return _loaded
     from torch.utils.cpp_extension import load
 
+    if shutil.which("ninja") is None:  # the PyPI ninja's binary sits beside the interpreter's scripts
+        try:
+            import ninja
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
     flags = _flags()
     key = hashlib.sha256(SOURCE.read_bytes() + repr((flags, torch.__version__)).encode()).hexdigest()[:16]
     build = directory / f"qblock-{key}"
