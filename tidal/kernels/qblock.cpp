@@ -4,7 +4,7 @@
 //   Q8_0 (34 bytes): fp16 scale d, 32 int8 codes; weight = d * code
 // x is rounded per block of 32 to int8 with its own scale (as llama.cpp does on the CPU), so each
 // block's dot product is an integer one: on AVX2, 32 byte products summed in three instructions.
-// Each weight block is read once per call and multiplied into every row of x.
+// Each weight block is read once per 8 rows of x and multiplied into each of them.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -224,8 +224,8 @@ def _q4_codes(t, n_head: int | None = None):
 
 def _q8_0_weights(t) -> np.ndarray:
     """A Q8_0 tensor in float32, as gguf dequantizes it (blocks of an fp16 scale d and 32 int8
-    codes q; weight = d * q), in one vectorised pass instead of gguf's row groups (0.4 s for
-    the bundled model's 28M-weight embedding)."""
+    codes q; weight = d * q), in one vectorised pass instead of gguf's row groups, which a
+    start would otherwise wait on for a large embedding."""
     k, n = int(t.shape[0]), int(t.shape[1])
     blocks = np.asarray(t.data).reshape(n, k // 32, 34)
     scale = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
