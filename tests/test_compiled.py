@@ -118,6 +118,39 @@ def test_a_second_start_loads_the_packages_and_other_threads_compile_anew(tiny_m
     assert sorted(j["graph"] for j in jobs) == ["few", "many", "one", "wide"] and {j["threads"] for j in jobs} == {threads + 1}
 
 
+def test_a_start_in_the_background_serves_eager_while_another_process_compiles(tiny_model_dir, compiled, caplog):
+    """A start that finds another process compiling its set-up (a short `tidal generate` leaves
+    its worker behind) does not wait minutes for it: it serves eager and lands each package as
+    that process writes it."""
+    runner = compiled.engine.runner
+    runner.land_compiled(wait=True)
+    directory = profile_cache.cache_dir() / "compiled"
+    package = directory / f"step-{runner.compiled_key}-one.so"
+    aside = package.with_name("aside.so")
+    package.rename(aside)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print(flush=True); time.sleep(120)",
+                               str(directory / f"step-{runner.compiled_key}.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        holder.stdout.readline()  # the lock is held
+        with caplog.at_level(logging.INFO, logger="tidal.engine"):
+            llm = tiny(tiny_model_dir, wait_compiled=False)
+        second = llm.engine.runner
+        assert set(second.compiling) == {"one"} and set(second.compiled.graphs) == {"few", "many", "wide"}
+        assert "another process is compiling one" in caplog.text
+        assert_matches_eager(tiny_model_dir, llm)
+        assert not second.land_compiled() and second.compiling  # still held, the package not written
+        aside.rename(package)
+        holder.kill()
+        holder.wait()
+        assert second.land_compiled() and set(second.compiled.graphs) == {"one", "few", "many", "wide"}
+        assert_matches_eager(tiny_model_dir, llm)
+    finally:
+        holder.kill()
+        if aside.exists():
+            aside.rename(package)
+
+
 def test_packages_of_set_ups_unused_for_a_week_are_pruned(tmp_path):
     now = 1_000_000_000.0
     for key, age_days in (("old", 8), ("recent", 6)):

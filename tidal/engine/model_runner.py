@@ -86,6 +86,7 @@ class ModelRunner:
         self.compiled_key: str | None = None  # what the compiled steps were built from (their packages' key)
         self.compiling: dict[str, Path] = {}  # graphs compiling in the background, to their packages
         self._workers: list = []  # their process
+        self._lock_path: Path | None = None  # or, when another process compiles them, its lock
         self._compile_start = 0.0
         self.block_size = cache.block_size
         self.num_blocks = cache.num_blocks or max(
@@ -288,9 +289,15 @@ class ModelRunner:
         paths = {g: directory / f"step-{key}-{g}.so" for g in GRAPHS}
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / f"step-{key}.lock", "w") as lock:
-            try:  # a start with the same key waits for the one compiling, then loads
+            try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            except BlockingIOError:  # another process compiles these steps
+                if background:  # serve eager, landing its packages as it writes them
+                    self.compiling = {g: p for g, p in paths.items() if not p.is_file()}
+                    self._lock_path, self._compile_start = Path(lock.name), time.perf_counter()
+                    log.info("another process is compiling %s; until each lands, its steps run eager",
+                             ", ".join(self.compiling) or "nothing")
+                    return paths
                 log.info("waiting for another process compiling these steps")
                 fcntl.flock(lock, fcntl.LOCK_EX)
             os.utime(lock.fileno())  # the lock's mtime is the set-up's last use
@@ -317,11 +324,14 @@ class ModelRunner:
         the worker has exited). True when nothing is left compiling."""
         if not self.compiling:
             return True
-        running = any(proc.poll() is None for proc, _ in self._workers)
-        if wait and running:
-            for proc, _ in self._workers:
-                proc.wait()
-            running = False
+        if self._lock_path is not None:  # another process compiles: running while it holds the lock
+            running = not _lock_free(self._lock_path, wait)
+        else:
+            running = any(proc.poll() is None for proc, _ in self._workers)
+            if wait and running:
+                for proc, _ in self._workers:
+                    proc.wait()
+                running = False
         for g, path in list(self.compiling.items()):
             if not path.is_file():  # written whole by a rename, or not at all
                 continue
@@ -337,7 +347,10 @@ class ModelRunner:
         failures = _wait_workers(self._workers)
         if failures:
             log.warning("compiling the step in the background failed, those steps stay eager: %s", failures[0])
-        self.compiling, self._workers = {}, []
+        elif self.compiling:
+            log.warning("the process compiling %s ended without them; those steps stay eager",
+                        ", ".join(self.compiling))
+        self.compiling, self._workers, self._lock_path = {}, [], None
         return True
 
     def verify(self, logits: torch.Tensor, s: ScheduledSeq) -> list[int]:
@@ -386,6 +399,17 @@ def _source_digest() -> str:
     for f in files:
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def _lock_free(path: Path, wait: bool = False) -> bool:
+    """Whether no process holds the lock at `path` (`wait`: until none does)."""
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return False
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        return True
 
 
 def prune_packages(directory: Path, unused_since: float) -> list[str]:
