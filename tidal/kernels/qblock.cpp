@@ -1,7 +1,9 @@
-// x @ W.T for W stored as ggml-style blocks of 32 weights along K, one row of blocks per output:
-//   Q4_1 (20 bytes): fp16 scale d, fp16 minimum m, 16 bytes whose low nibbles are weights 0..15
-//                    and high nibbles 16..31; weight = d * code + m
-//   Q8_0 (34 bytes): fp16 scale d, 32 int8 codes; weight = d * code
+// x @ W.T for W stored as ggml-style blocks of 32 weights along K, each output's row of blocks
+// split into its blocks' fp16 scales, then (Q4_1) their fp16 minimums, then their codes:
+//   Q4_1 (20 bytes a block): weight = d * code + m; 16 code bytes a block, whose low nibbles are
+//                            weights 0..15 and high nibbles 16..31 (ggml's order)
+//   Q8_0 (34 bytes a block): weight = d * code, 32 int8 codes a block
+// The scales lie together so that eight convert in one instruction instead of one each.
 // x is rounded per block of 32 to int8 with its own scale (as llama.cpp does on the CPU), so each
 // block's dot product is an integer one: on AVX2, 32 byte products summed in three instructions.
 // Each weight block is read once per 8 rows of x and multiplied into each of them.
@@ -73,60 +75,84 @@ inline __m256 dot32(__m256i u, __m256i s) {
 }
 #endif
 
+constexpr int64_t CHUNK = 32;  // blocks whose scales are worked out before their dot products
+
 // one output column over `Rows` rows of x (a template argument, so the accumulators stay in registers)
 template <bool Q4, int Rows>
 void rows_of_w(const uint8_t* w, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
                float* out, int64_t ldo) {
-  constexpr int64_t rows = Rows;
-  const int64_t bsize = Q4 ? 20 : 34;
-#ifdef QB_AVX2
-  __m256 acc[Rows];
+  const uint8_t* dh = w;                           // nb fp16 scales
+  const uint8_t* mh = w + 2 * nb;                  // Q4_1: nb fp16 minimums
+  const uint8_t* qs = w + (Q4 ? 4 : 2) * nb;       // the codes, 16 (Q4_1) or 32 (Q8_0) bytes a block
+  constexpr int64_t qbytes = Q4 ? 16 : 32;
   float mins[Rows];
-  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps(), mins[r] = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * bsize;
-    const float dw = half_to_float(blk);
-    if (Q4) {
-      const float mw = half_to_float(blk + 2);
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-      const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = r * nb + b;
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * QK));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i]), dot32(codes, xv), acc[r]);
-        mins[r] += mw * xs[i];
+  for (int r = 0; r < Rows; ++r) mins[r] = 0.f;
+#ifdef QB_AVX2
+  __m256 acc[Rows], macc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+  alignas(32) float sc[Rows][CHUNK];  // the weight's scale times x's, per row and block
+  for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {
+    const int64_t n = std::min(CHUNK, nb - b0);
+    int64_t b = 0;
+    for (; b + 8 <= n; b += 8) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + 2 * (b0 + b))));
+      for (int r = 0; r < Rows; ++r)
+        _mm256_store_ps(sc[r] + b, _mm256_mul_ps(d, _mm256_loadu_ps(xd + r * nb + b0 + b)));
+      if (Q4) {
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh + 2 * (b0 + b))));
+        for (int r = 0; r < Rows; ++r)
+          macc[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xs + r * nb + b0 + b), macc[r]);
       }
-    } else {
-      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-      const __m256i mag = _mm256_sign_epi8(codes, codes);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = r * nb + b;
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * QK));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i]), dot32(mag, _mm256_sign_epi8(xv, codes)), acc[r]);
+    }
+    for (; b < n; ++b) {
+      const float d = half_to_float(dh + 2 * (b0 + b));
+      const float m = Q4 ? half_to_float(mh + 2 * (b0 + b)) : 0.f;
+      for (int r = 0; r < Rows; ++r) {
+        sc[r][b] = d * xd[r * nb + b0 + b];
+        mins[r] += m * xs[r * nb + b0 + b];
+      }
+    }
+    for (b = 0; b < n; ++b) {
+      const int64_t blk = b0 + b;
+      const uint8_t* q = qs + blk * qbytes;
+      if (Q4) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+        const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+        for (int r = 0; r < Rows; ++r) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (r * nb + blk) * QK));
+          acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc[r] + b), dot32(codes, xv), acc[r]);
+        }
+      } else {
+        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+        const __m256i mag = _mm256_sign_epi8(codes, codes);
+        for (int r = 0; r < Rows; ++r) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + (r * nb + blk) * QK));
+          acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc[r] + b), dot32(mag, _mm256_sign_epi8(xv, codes)), acc[r]);
+        }
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) out[r * ldo] = hsum(acc[r]) + mins[r];
+  for (int r = 0; r < Rows; ++r) out[r * ldo] = hsum(acc[r]) + hsum(macc[r]) + mins[r];
 #else
-  float acc[Rows] = {0.f};
+  float acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * bsize;
-    const float dw = half_to_float(blk);
-    const float mw = Q4 ? half_to_float(blk + 2) : 0.f;
-    for (int64_t r = 0; r < rows; ++r) {
+    const float dw = half_to_float(dh + 2 * b);
+    const float mw = Q4 ? half_to_float(mh + 2 * b) : 0.f;
+    const uint8_t* q = qs + b * qbytes;
+    for (int r = 0; r < Rows; ++r) {
       const int64_t i = r * nb + b;
       const int8_t* xv = xq + i * QK;
       int sum = 0;
       if (Q4) {
-        for (int j = 0; j < 16; ++j)
-          sum += (blk[4 + j] & 0x0F) * xv[j] + (blk[4 + j] >> 4) * xv[j + 16];
+        for (int j = 0; j < 16; ++j) sum += (q[j] & 0x0F) * xv[j] + (q[j] >> 4) * xv[j + 16];
       } else {
-        for (int j = 0; j < QK; ++j) sum += static_cast<int8_t>(blk[2 + j]) * xv[j];
+        for (int j = 0; j < QK; ++j) sum += static_cast<int8_t>(q[j]) * xv[j];
       }
       acc[r] += dw * xd[i] * static_cast<float>(sum) + mw * xs[i];
     }
   }
-  for (int64_t r = 0; r < rows; ++r) out[r * ldo] = acc[r];
+  for (int r = 0; r < Rows; ++r) out[r * ldo] = acc[r] + mins[r];
 #endif
 }
 

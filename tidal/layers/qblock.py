@@ -73,7 +73,8 @@ def load_kernel(directory: Path) -> bool:
 
 
 class QBlockWeight:
-    """A [N, K] weight as N rows of blocks (uint8 [N, K / 32 * block bytes]), serving steps of
+    """A [N, K] weight as N rows of blocks (uint8 [N, K / 32 * block bytes]; each row its blocks'
+    fp16 scales, for Q4_1 their fp16 minimums, then their codes), serving steps of
     at most `max_rows` rows, eager and compiled alike (the op is a torch operator)."""
 
     def __init__(self, blocks: torch.Tensor, bits: int, max_rows: int):
@@ -91,9 +92,9 @@ class QBlockWeight:
         (GGUF's Q4_1, and Q4_0 with minimum = -8 * scale), each fp16 as GGUF stores them."""
         n, k = codes.shape
         c = codes.to(torch.uint8).view(n, k // QK, QK)
-        nibbles = c[..., :16] | (c[..., 16:] << 4)
-        halves = [t.to(torch.float16).view(torch.uint8).view(n, k // QK, 2) for t in (scale, minimum)]
-        return cls(torch.cat([*halves, nibbles], dim=-1).view(n, -1), 4, max_rows)
+        nibbles = (c[..., :16] | (c[..., 16:] << 4)).view(n, -1)
+        halves = [t.to(torch.float16).contiguous().view(torch.uint8).view(n, -1) for t in (scale, minimum)]
+        return cls(torch.cat([*halves, nibbles], dim=-1), 4, max_rows)
 
     @classmethod
     def quantize_q8(cls, weight: torch.Tensor, max_rows: int) -> "QBlockWeight":
@@ -104,7 +105,7 @@ class QBlockWeight:
         scale = (g.abs().amax(-1) / 127).to(torch.float16)
         inv = torch.where(scale > 0, 1 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
         codes = (g * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
-        return cls(torch.cat([scale.view(torch.uint8).view(n, k // QK, 2), codes.view(torch.uint8)], -1).view(n, -1),
+        return cls(torch.cat([scale.view(torch.uint8).view(n, -1), codes.view(torch.uint8).view(n, -1)], -1),
                    8, max_rows)
 
     @classmethod
@@ -130,12 +131,12 @@ class QBlockWeight:
 
 
 def _dequantize(blocks: torch.Tensor, bits: int) -> torch.Tensor:
-    n = blocks.shape[0]
-    b = blocks.view(n, -1, BLOCK_BYTES[bits])
-    scale = b[..., 0:2].contiguous().view(torch.float16).float()
+    """Each row: its blocks' fp16 scales, (4 bits) their fp16 minimums, then their codes."""
+    n, nb = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[bits]
+    half = lambda i: blocks[:, 2 * nb * i:2 * nb * (i + 1)].contiguous().view(torch.float16).float()[..., None]  # noqa: E731
+    scale = half(0)
     if bits == 8:
-        return (b[..., 2:].contiguous().view(torch.int8).float() * scale).view(n, -1)
-    minimum = b[..., 2:4].contiguous().view(torch.float16).float()
-    q = b[..., 4:]
+        return (blocks[:, 2 * nb:].contiguous().view(torch.int8).view(n, nb, QK).float() * scale).view(n, -1)
+    q = blocks[:, 4 * nb:].reshape(n, nb, 16)
     codes = torch.cat([q & 0x0F, q >> 4], dim=-1).float()
-    return (codes * scale + minimum).view(n, -1)
+    return (codes * scale + half(1)).view(n, -1)
