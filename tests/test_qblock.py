@@ -80,7 +80,7 @@ def test_bad_shapes_get_a_clear_error():
     with pytest.raises(RuntimeError, match="do not match"):
         q(torch.randn(2, 96))
     with pytest.raises(RuntimeError, match="bits must be 4"):
-        torch.ops.tidal_qblock.linear(torch.randn(2, 64), q.blocks, 5)
+        torch.ops.tidal.qblock_linear(torch.randn(2, 64), q.blocks, 5)
     with pytest.raises(RuntimeError, match="float32"):
         q(torch.randn(2, 64, dtype=torch.float64))
 

@@ -39,25 +39,48 @@ inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
-// x [M, K] float -> int8 codes [M, K] and per block: scale, and scale * sum(codes)
-void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* s) {
-  const int64_t nb = k / QK;
-  at::parallel_for(0, m * nb, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* v = x + i * QK;
-      float amax = 0.f;
-      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
-      const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int sum = 0;
-      for (int j = 0; j < QK; ++j) {
-        const int c = static_cast<int>(std::nearbyint(v[j] * inv));
-        q[i * QK + j] = static_cast<int8_t>(c);
-        sum += c;
-      }
-      d[i] = scale;
-      s[i] = scale * static_cast<float>(sum);
+// blocks [begin, end) of x (float, blocks of 32 in row order) -> int8 codes and per block: the
+// scale, and scale * sum(codes); codes round half to even (AVX2 and portable paths alike)
+void quantize_rows(const float* x, int64_t begin, int64_t end, int8_t* q, float* d, float* s) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float* v = x + i * QK;
+#ifdef QB_AVX2
+    __m256 f[4];
+    __m256 mx = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      f[j] = _mm256_loadu_ps(v + 8 * j);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.f), f[j]));
     }
-  });
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i c[4];
+    for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], inv));  // to nearest even
+    const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    const int sum = _mm_cvtsi128_si32(s4);
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * QK),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+    float amax = 0.f;
+    for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int j = 0; j < QK; ++j) {
+      const int c = static_cast<int>(std::nearbyint(v[j] * inv));
+      q[i * QK + j] = static_cast<int8_t>(c);
+      sum += c;
+    }
+#endif
+    const float scale = amax / 127.f;
+    d[i] = scale;
+    s[i] = scale * static_cast<float>(sum);
+  }
 }
 
 #ifdef QB_AVX2
@@ -177,25 +200,41 @@ at::Tensor qblock_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> xd(m * nb), xs(m * nb);
-  quantize_rows(xc.data_ptr<float>(), m, k, xq.data(), xd.data(), xs.data());
+  const float* xf = xc.data_ptr<float>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  const auto columns = [&](int64_t begin, int64_t end, const int8_t* xq, const float* xd, const float* xs) {
     for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
       const int64_t rows = std::min(ROWS, m - r0);
       const int64_t off = r0 * nb;
       const auto kernel = bits == 4 ? kernels<true>(rows) : kernels<false>(rows);
       for (int64_t j = begin; j < end; ++j)
-        kernel(w + j * nb * bsize, nb, xq.data() + off * QK, xd.data() + off, xs.data() + off, o + r0 * n + j, n);
+        kernel(w + j * nb * bsize, nb, xq + off * QK, xd + off, xs + off, o + r0 * n + j, n);
     }
+  };
+  if (m <= ROWS) {  // a few rows: each thread rounds x itself, one parallel region instead of two
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<int8_t> xq;
+      thread_local std::vector<float> xd, xs;
+      xq.resize(m * k), xd.resize(m * nb), xs.resize(m * nb);
+      quantize_rows(xf, 0, m * nb, xq.data(), xd.data(), xs.data());
+      columns(begin, end, xq.data(), xd.data(), xs.data());
+    });
+    return out;
+  }
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xd(m * nb), xs(m * nb);
+  at::parallel_for(0, m * nb, 64, [&](int64_t begin, int64_t end) {
+    quantize_rows(xf, begin, end, xq.data(), xd.data(), xs.data());
+  });
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    columns(begin, end, xq.data(), xd.data(), xs.data());
   });
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(tidal_qblock, m) { m.def("linear(Tensor x, Tensor blocks, int bits) -> Tensor"); }
+TORCH_LIBRARY(tidal, m) { m.def("qblock_linear(Tensor x, Tensor blocks, int bits) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(tidal_qblock, CPU, m) { m.impl("linear", qblock_linear); }
+TORCH_LIBRARY_IMPL(tidal, CPU, m) { m.impl("qblock_linear", qblock_linear); }

@@ -64,7 +64,7 @@ def load_kernel(directory: Path) -> bool:
         _loaded = False
         return False
 
-    @torch.library.register_fake("tidal_qblock::linear")
+    @torch.library.register_fake("tidal::qblock_linear")
     def _(x, blocks, bits):
         return x.new_empty(x.shape[0], blocks.shape[0])
 
@@ -127,7 +127,7 @@ class QBlockWeight:
         return _dequantize(self.blocks[ids], self.bits)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tidal_qblock.linear(x, self.blocks, self.bits)
+        return torch.ops.tidal.qblock_linear(x, self.blocks, self.bits)
 
 
 def _dequantize(blocks: torch.Tensor, bits: int) -> torch.Tensor:
