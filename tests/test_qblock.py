@@ -11,14 +11,15 @@ from tidal.engine import profile_cache
 from tidal.engine.compiled_step import LoadedPackage, StepGraph, compile_package, flat_args
 from tidal.engine.model_runner import ModelRunner
 from tidal.layers.linear import linear
-from tidal.layers.qblock import QBlockWeight, load_kernel
+from tidal import kernels
+from tidal.layers.qblock import QBlockWeight
 from tests.conftest import make_tiny_llama
 from tidal.models import loader
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    if not load_kernel(profile_cache.cache_dir() / "kernels"):
+    if not kernels.load(profile_cache.cache_dir() / "kernels"):
         pytest.skip("the block kernel does not build here (no compiler or ninja)")
 
 

@@ -23,7 +23,7 @@ from tidal.engine.model_runner import ModelRunner
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.step_log import StepLog
 from tidal.layers.layout_choice import choose_layouts
-from tidal.layers.qblock import load_kernel
+from tidal import kernels
 from tidal.layers.linear import INT4_MAX_TOKENS, INT4_ROW_TILE
 from tidal.models import loader
 from tidal.models.eagle3 import load_eagle3
@@ -92,7 +92,7 @@ def weight_layouts(shapes: list[tuple[int, int]], block_bits: dict[tuple[int, in
     no narrower layout applies (`layouts` "dense", or not CPU fp32)."""
     if layouts == "dense" or device.type != "cpu" or dtype != torch.float32:
         return {}
-    if block_bits and not load_kernel(profile_cache.cache_dir() / "kernels"):
+    if block_bits and not kernels.load(profile_cache.cache_dir() / "kernels"):
         block_bits = {}
     edges = tuple(high for _, high in GRAPHS.values())
     key = "layouts-" + profile_cache.digest({**profile_cache.cpu_identity(), "torch": torch.__version__,
@@ -158,6 +158,8 @@ class LLMEngine(EngineCore):
             self.tokenizer = loaded.tokenizer
             model = loader.build_model(loaded, self.device, self.dtype)
         with _phase("pack"):
+            if self.device.type == "cpu":  # tidal's kernels: block weights, short-query attention
+                kernels.load(profile_cache.cache_dir() / "kernels")
             layouts = weight_layouts(model.weight_shapes(), loader.block_bits(loaded, model), self.device,
                                      self.dtype, config.weight_layouts)
             loader.pack_model(model, loaded, self.device, self.dtype, layouts)

@@ -24,7 +24,7 @@ from tidal.engine.compiled_step import (COMPILED_MAX_TOKENS, GRAPHS, InductorSte
                                         compile_package, flat_args, graph_of)
 from tidal.engine.scheduler import ScheduledSeq
 from tidal.layers.attention import AttentionGroup, AttentionMetadata
-from tidal.layers.qblock import load_kernel
+from tidal import kernels
 from tidal.layers.sampler import sample
 from tidal.models import loader
 from tidal.models.llama import LlamaModel
@@ -477,7 +477,8 @@ def build_package(job: dict) -> None:
     device, dtype = torch.device(job["device"]), getattr(torch, job["dtype"])
     loaded = loader.load(job["model"])
     model = loader.build_model(loaded, device, dtype)
-    if job["qblock"] and not load_kernel(profile_cache.cache_dir() / "kernels"):
+    # the serving process's kernels (attention too: the package must compute what eager steps do)
+    if device.type == "cpu" and not kernels.load(profile_cache.cache_dir() / "kernels") and job["qblock"]:
         raise RuntimeError("the block weights' kernel did not build")
     loader.pack_model(model, loaded, device, dtype, {"qblock": {(n, k): r for n, k, r in job["qblock"]}})
     runner = ModelRunner(model, CacheConfig(block_size=job["block_size"], num_blocks=4), device, dtype)

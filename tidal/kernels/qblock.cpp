@@ -235,6 +235,6 @@ at::Tensor qblock_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
 
 }  // namespace
 
-TORCH_LIBRARY(tidal, m) { m.def("qblock_linear(Tensor x, Tensor blocks, int bits) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(tidal, m) { m.def("qblock_linear(Tensor x, Tensor blocks, int bits) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(tidal, CPU, m) { m.impl("qblock_linear", qblock_linear); }

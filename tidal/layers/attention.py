@@ -1,10 +1,11 @@
-"""Attention over the paged KV cache for one ragged batch of tokens, with torch SDPA.
+"""Attention over the paged KV cache for one ragged batch of tokens: tidal's kernel for short
+queries (tidal/kernels/attention.cpp, keys read from the cache by slot), torch SDPA otherwise.
 
 The cache of a layer is two tensors [num_slots, kv_heads, head_dim]; slot = block * block_size
 + offset. Sequences of a step are split into groups (short-query sequences together, the
 one-token ones apart from those verifying drafts once padding them would cost more than a call,
 each long prefill chunk alone; ModelRunner.metadata) so that padding to a rectangle wastes little;
-each group gathers its keys by slot and runs one SDPA call with a causal-and-length mask.
+each group attends in one call with a causal-and-length mask.
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tidal import kernels
+
+# groups of at most this many queries a sequence (decode, verification, the compiled steps)
+# use tidal's kernel where it is loaded and the cache is fp32; longer ones (prefill) torch's SDPA
+KERNEL_MAX_QUERIES = 64
 
 
 @dataclass
@@ -57,16 +64,19 @@ def paged_attention(
     for g in meta.groups:
         B, K = g.kv_slots.shape
         Q = g.token_index.shape[1]
-        # index_select on flat rows, in the cache's dtype, and the query heads of one KV head
-        # folded into the query axis (no GQA expansion of K/V): on CPU 3-4x faster for batched
-        # decode than advanced indexing plus an fp32 SDPA with enable_gqa (measured, B=128).
-        kg, vg = (x.index_select(0, g.kv_slots.flatten()).view(B, K, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-                  for x in (flat_k, flat_v))  # .to: the EAGLE head may run in fp32 over a bf16 cache
         # an unpadded group in flat order is a slice: no gather of its queries, no scatter of its outputs
         qg = q[g.token_index] if g.first is None else q[g.first:g.first + B * Q]
         qg = qg.reshape(B, Q, kv_heads, rep, head_dim).permute(0, 2, 3, 1, 4).reshape(B, kv_heads, rep * Q, head_dim)
-        mask = g.mask.unsqueeze(2).expand(B, 1, rep, Q, K).reshape(B, 1, rep * Q, K)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+        if Q <= KERNEL_MAX_QUERIES and kernels.available() and q.dtype == k_cache.dtype == torch.float32:
+            og = torch.ops.tidal.paged_attention(qg, k_cache, v_cache, g.kv_slots, g.mask, scale)
+        else:
+            # index_select on flat rows, in the cache's dtype, and the query heads of one KV head
+            # folded into the query axis (no GQA expansion of K/V): on CPU faster for batched decode
+            # than advanced indexing plus an fp32 SDPA with enable_gqa (docs/results/notebook.md)
+            kg, vg = (x.index_select(0, g.kv_slots.flatten()).view(B, K, kv_heads, head_dim).transpose(1, 2)
+                      .to(q.dtype) for x in (flat_k, flat_v))  # .to: the EAGLE head may run in fp32 over a bf16 cache
+            mask = g.mask.unsqueeze(2).expand(B, 1, rep, Q, K).reshape(B, 1, rep * Q, K)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
         og = og.view(B, kv_heads, rep, Q, head_dim).permute(0, 3, 1, 2, 4).reshape(B * Q, heads * head_dim)
         if g.first == 0 and B * Q == num_tokens:  # the whole step in one group, unpadded
             return og

@@ -9,67 +9,15 @@ and ggml's kernels are not a library API, so the kernel is ours: AVX2 where the 
 has it, portable C++ elsewhere. GGUF's Q4_1 weights and its Q8_0 output head are held
 exactly; the loss is the activations' rounding (docs/results/notebook.md).
 
-The kernel is compiled once per machine, torch release and source (seconds, with torch's
-extension builder and ninja) into the cache; a machine that cannot build it keeps dense weights.
+A machine that cannot build tidal's kernels (tidal/kernels) keeps dense weights.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import shutil
-from pathlib import Path
-
 import torch
-
-log = logging.getLogger("tidal.engine")
 
 QK = 32  # weights per block
 BLOCK_BYTES = {4: 20, 8: 34}  # Q4_1 and Q8_0 blocks
-SOURCE = Path(__file__).parents[1] / "kernels" / "qblock.cpp"
-_loaded: bool | None = None
-
-
-def _flags() -> list[str]:
-    """AVX2 code where torch itself dispatches to AVX2 or wider (so ATEN_CPU_CAPABILITY=avx2
-    holds this kernel to AVX2 too); the portable path elsewhere."""
-    isa = torch.backends.cpu.get_cpu_capability()
-    vector = ["-mavx2", "-mfma", "-mf16c"] if isa.startswith(("AVX2", "AVX512")) else []
-    return ["-O3", "-fopenmp", *vector]
-
-
-def load_kernel(directory: Path) -> bool:
-    """Build (once, into `directory`) and load the kernel; False where it cannot be built here."""
-    global _loaded
-    if _loaded is not None:
-        return _loaded
-    from torch.utils.cpp_extension import load
-
-    if shutil.which("ninja") is None:  # the PyPI ninja's binary sits beside the interpreter's scripts
-        try:
-            import ninja
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
-    flags = _flags()
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((flags, torch.__version__)).encode()).hexdigest()[:16]
-    build = directory / f"qblock-{key}"
-    try:
-        build.mkdir(parents=True, exist_ok=True)
-        load(name="tidal_qblock", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-             build_directory=str(build), is_python_module=False, verbose=False)
-    except Exception as e:  # no compiler or ninja: the dense weights serve
-        log.warning("block-quantized weights unavailable (the kernel did not build): %s", e)
-        _loaded = False
-        return False
-
-    @torch.library.register_fake("tidal::qblock_linear")
-    def _(x, blocks, bits):
-        return x.new_empty(x.shape[0], blocks.shape[0])
-
-    _loaded = True
-    return True
 
 
 class QBlockWeight:
