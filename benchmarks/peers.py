@@ -7,9 +7,11 @@ sdist (the release pip installed for the bundled model), once, under the user's 
 Then, for each thread count:
 - start-up: seconds from launch to /health of llama-server and of `tidal serve` (defaults, its
   compiled steps and profile cached), taking turns (`--startup-rounds`; `--startup-only`);
-- offline, one request: `llama-bench` tg (its own timing, no HTTP) against tidal's `LLM.generate`
-  of the same number of greedy tokens (speculation off, and the default adaptive EAGLE-3), the
-  engines taking turns round by round; llama.cpp as its server runs (`--repack 0`) and with its
+- offline, one request: `llama-bench` tg (its own timing, no HTTP, no prompt) against tidal's
+  engine generating the same number of greedy tokens after a chat prompt (speculation off, and the
+  default adaptive EAGLE-3), timed from its first token to its last, so that neither rate counts
+  a prompt's prefill (the servers' rows count both engines' prefill); the engines taking turns
+  round by round; llama.cpp as its server runs (`--repack 0`) and with its
   weights repacked for the CPU (AMX where there is one), which its server cannot use here;
 - through the servers: `tidal bench` over llama-server (plain) and tidal serve (off, adaptive), the
   targets taking turns at each level (`--repeats`); and at one request llama-server drafting with
@@ -146,9 +148,16 @@ for i in range(rounds):
     line = sys.stdin.readline()
     if not line:
         break
-    t = time.perf_counter()
-    out = llm.chat([{"role": "user", "content": prompts[i % len(prompts)]}], params)[0]
-    print(json.dumps(len(out.token_ids) / (time.perf_counter() - t)), flush=True)
+    # timed from the first token, as llama-bench's tg: generation, not the prompt's prefill
+    engine = llm.engine
+    engine.add_request(f"r{i}", llm.tokenizer.apply_chat_template([{"role": "user", "content": prompts[i % len(prompts)]}]),
+                       params)
+    first = out = None
+    while out is None or not out.finished:
+        for out in engine.step():
+            if first is None and out.token_ids:
+                first, first_tokens = time.perf_counter(), len(out.token_ids)
+    print(json.dumps((len(out.token_ids) - first_tokens) / (time.perf_counter() - first)), flush=True)
 """
 
 
