@@ -20,6 +20,7 @@ import torch
 log = logging.getLogger("tidal.engine")
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+NAME = "tidal_kernels"
 _loaded: bool | None = None
 
 
@@ -41,23 +42,13 @@ def load(directory: Path) -> bool:
     global _loaded
     if _loaded is not None:
         return _loaded
-    from torch.utils.cpp_extension import load as build
-
-    if shutil.which("ninja") is None:  # the PyPI ninja's binary sits beside the interpreter's scripts
-        try:
-            import ninja
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
     flags = _flags()
     h = hashlib.sha256(repr((flags, torch.__version__)).encode())
     for source in SOURCES:
         h.update(source.read_bytes())
     build_dir = directory / f"tidal-{h.hexdigest()[:16]}"
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        build(name="tidal_kernels", sources=[str(s) for s in SOURCES], extra_cflags=flags,
-              extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False)
+        _build(build_dir, flags)
     except Exception as e:  # no compiler or ninja: torch's kernels serve
         log.warning("tidal's CPU kernels unavailable (they did not build), torch's serve: %s", e)
         _loaded = False
@@ -73,3 +64,24 @@ def load(directory: Path) -> bool:
 
     _loaded = True
     return True
+
+
+def _build(build_dir: Path, flags: list[str]) -> None:
+    """Load the library built in `build_dir` (its name holds the sources' digest), building it
+    first if it is not there; a built one loads without torch's extension builder (its import
+    and its ninja check are time a warm start need not spend)."""
+    library = build_dir / f"{NAME}.so"
+    if library.is_file() and not (build_dir / "lock").exists():  # the builder's lock: no build under way
+        torch.ops.load_library(str(library))
+        return
+    from torch.utils.cpp_extension import load as build
+
+    if shutil.which("ninja") is None:  # the PyPI ninja's binary sits beside the interpreter's scripts
+        try:
+            import ninja
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+    build_dir.mkdir(parents=True, exist_ok=True)
+    build(name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+          build_directory=str(build_dir), is_python_module=False, verbose=False)
