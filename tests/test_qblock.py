@@ -133,3 +133,18 @@ def test_the_loader_reads_q8_0_as_gguf_dequantizes_it():
     assert head.tensor_type == gguf.GGMLQuantizationType.Q8_0
     want = np.asarray(gguf.quants.dequantize(head.data, head.tensor_type), dtype=np.float32)
     assert np.array_equal(loader._q8_0_weights(head), want.reshape(-1, want.shape[-1]))
+
+
+def test_the_loader_reads_q4_1_as_gguf_dequantizes_it():
+    import gguf
+    import numpy as np
+
+    from tidal.models.gguf_file import GGUFFile
+
+    tensors = GGUFFile(loader.default_model_path()).tensors
+    loaded = loader.load(None)
+    for ours, theirs in (("layers.0.o_proj", "blk.0.attn_output.weight"), ("layers.29.down_proj", "blk.29.ffn_down.weight")):
+        t = tensors[theirs]
+        assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1
+        want = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        assert np.array_equal(loaded.weights[ours].numpy(), want.reshape(-1, want.shape[-1]))

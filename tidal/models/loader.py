@@ -144,10 +144,10 @@ def _load_gguf(path: Path) -> LoadedModel:
         t = tensors[name]
         c = codes_of(name, heads)
         if c is not None:  # 4-bit: from the codes, as gguf dequantizes them (d * q + m), whole
-            codes, scale, minimum = c
+            codes, scale, minimum = (torch.from_numpy(a) for a in c)
             n, k = codes.shape
-            blocks = codes.reshape(n, k // 32, 32).astype(np.float32) * scale[..., None] + minimum[..., None]
-            return blocks.reshape(n, k)
+            blocks = codes.view(n, k // 32, 32).float() * scale[..., None] + minimum[..., None]
+            return blocks.view(n, k).numpy()
         if t.tensor_type == Q.Q8_0:
             a = _q8_0_weights(t)
         else:
@@ -224,12 +224,13 @@ def _q4_codes(t, n_head: int | None = None):
 
 def _q8_0_weights(t) -> np.ndarray:
     """A Q8_0 tensor in float32, as gguf dequantizes it (blocks of an fp16 scale d and 32 int8
-    codes q; weight = d * q), in one vectorised pass instead of gguf's row groups, which a
-    start would otherwise wait on for a large embedding."""
+    codes q; weight = d * q), in one vectorised pass on torch's threads instead of gguf's row
+    groups, which a start would otherwise wait on for a large embedding."""
     k, n = int(t.shape[0]), int(t.shape[1])
     blocks = np.asarray(t.data).reshape(n, k // 32, 34)
-    scale = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
-    return (blocks[..., 2:].view(np.int8).astype(np.float32) * scale).reshape(n, k)
+    scale = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)).float()
+    codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8))  # contiguous: torch's threads convert it
+    return (codes.float() * scale).view(n, k).numpy()
 
 
 def _gguf_tokenizer(meta: dict) -> Tokenizer:
