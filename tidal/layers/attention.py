@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tidal import kernels
 
 # groups of at most this many queries a sequence (decode, verification, the compiled steps)
-# use tidal's kernel where it is loaded and the cache is fp32; longer ones (prefill) torch's SDPA
+# use tidal's kernel where it is loaded and the cache is an fp32 CPU one; longer ones (prefill) SDPA
 KERNEL_MAX_QUERIES = 64
 
 
@@ -67,7 +67,8 @@ def paged_attention(
         # an unpadded group in flat order is a slice: no gather of its queries, no scatter of its outputs
         qg = q[g.token_index] if g.first is None else q[g.first:g.first + B * Q]
         qg = qg.reshape(B, Q, kv_heads, rep, head_dim).permute(0, 2, 3, 1, 4).reshape(B, kv_heads, rep * Q, head_dim)
-        if Q <= KERNEL_MAX_QUERIES and kernels.available() and q.dtype == k_cache.dtype == torch.float32:
+        if (Q <= KERNEL_MAX_QUERIES and kernels.available() and q.device.type == "cpu"
+                and q.dtype == k_cache.dtype == torch.float32):
             og = torch.ops.tidal.paged_attention(qg, k_cache, v_cache, g.kv_slots, g.mask, scale)
         else:
             # index_select on flat rows, in the cache's dtype, and the query heads of one KV head
