@@ -79,7 +79,8 @@ def test_a_package_loads_in_place_writing_nothing_to_the_temp_folder(compiled, m
     want = compiled.generate(prompt, [REPEAT])[0].token_ids
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
-    graph = LoadedPackage(profile_cache.cache_dir() / "compiled" / f"step-{runner.compiled_key}-one.so")
+    graph = LoadedPackage(profile_cache.cache_dir() / "compiled" / f"step-{runner.compiled_key}-one.so",
+                          runner.compiled.tensors)
     assert list(tmp_path.iterdir()) == []
     calls = []
     monkeypatch.setitem(runner.compiled.graphs, "one", lambda *a: (calls.append(1), graph(*a))[1])
@@ -176,7 +177,8 @@ def test_compiling_a_package_leaves_no_copy_of_its_library_in_inductors_cache(ti
     model_runner._run_workers([[{"model": str(tiny_model_dir), "dtype": "float32", "device": "cpu",
                                 "threads": torch.get_num_threads(), "aux_layers": [], "block_size": 4,
                                 "qblock": [], "graph": "one", "path": str(package)}]])
-    # no archive, no partial file; beside the library, the spec by which it calls tidal's operators
+    # no archive, no partial file; beside the library (dense weights: inside it), the spec by which
+    # it calls tidal's operators
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [package.with_suffix(".json").name, package.name]
     cached = [p.name for p in cache.rglob("*") if p.is_file()]
     assert any(name.endswith(".kernel.cpp") for name in cached)  # the compile did use that cache

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from tidal.config import CacheConfig
 from tidal.engine import profile_cache
-from tidal.engine.compiled_step import LoadedPackage, StepGraph, compile_package, flat_args
+from tidal.engine.compiled_step import LoadedPackage, StepGraph, compile_package, flat_args, model_tensors
 from tidal.engine.model_runner import ModelRunner
 from tidal.layers.linear import linear
 from tidal import kernels
@@ -120,7 +120,14 @@ def test_a_compiled_step_calls_the_kernel_and_matches_eager(tmp_path):
     path = tmp_path / "step-one.so"
     compile_package(StepGraph(model, ()).eval(), args, "one", path)
     assert path.with_suffix(".json").is_file()
-    torch.testing.assert_close(LoadedPackage(path)(*args)[0], want, rtol=1e-4, atol=1e-4)
+    tensors = model_tensors(model)
+    graph = LoadedPackage(path, tensors)
+    torch.testing.assert_close(graph(*args)[0], want, rtol=1e-4, atol=1e-4)
+    # no dense weight multiplied: the library holds no weights, its constants are the model's own
+    # tensors (blocks, norms, rotary tables), nothing derived kept beside it
+    storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
+    assert graph.constants and all(t.untyped_storage().data_ptr() in storages for t in graph.constants.values())
+    assert path.with_suffix(".constants.json").is_file() and not path.with_suffix(".pt").exists()
 
 
 def test_the_loader_reads_q8_0_as_gguf_dequantizes_it():

@@ -8,13 +8,18 @@ changes: inductor tunes each graph's kernels at its example size; its 4-bit AMX 
 fastest from 5 rows, costs as much at 2 rows as at 8, twice the vector kernel's cost there; past
 INT4_MAX_TOKENS the dense weights win.
 - CPU: each graph is exported and compiled by AOTInductor into a shared library on disk (its
-  package), weights frozen into it (so inductor uses its own low-bit GEMM kernels); a later start
-  loads the libraries in under a second instead of compiling for a minute.
+  package), weights frozen (so inductor uses its own low-bit GEMM kernels); a later start loads
+  the libraries in under a second instead of compiling for a minute. A graph that multiplies by
+  no dense weight (an fp32 model's steps over block weights) holds no weights in its library:
+  its constants are the model's own tensors, handed to it at load (those inductor derived at
+  compile time kept beside it), so those graphs and the eager model share one copy.
 - CUDA: torch.compile in mode max-autotune, which records CUDA graphs (AOTInductor does not).
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import shutil
 import zipfile
@@ -38,6 +43,52 @@ GRAPHS = {"one": (1, 1), "few": (2, INT4_ROW_TILE), "many": (INT4_ROW_TILE + 1, 
 # weight_prepack lets it lay the dense ones (the widest graph's projections) out for its own GEMM
 # templates too, where unpacked they are re-laid out on every call (see linear.PackedWeight)
 PACKAGE_CONFIG = {"freezing": True, "max_autotune": True, "cpp.weight_prepack": True}
+# the same, the constants left out of the library (the model's tensors are handed to it at load)
+SHARED_CONFIG = {**PACKAGE_CONFIG, "aot_inductor.package_constants_in_so": False,
+                 "aot_inductor.package_constants_on_disk_format": "pickle_weights"}
+MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+           torch.ops.aten.matmul.default}
+
+
+def package_config(program: torch.export.ExportedProgram, dtype: torch.dtype) -> dict:
+    """The graph's inductor options. Its weights stay in its library where it multiplies by a
+    dense weight, which inductor prepacks into oneDNN's opaque layout (such copies can be neither
+    shared nor saved, and unpacked the graph runs slower: docs/results/notebook.md), and for bf16
+    models (whose low-bit kernels were tuned that way); otherwise they are shared."""
+    sig = program.graph_signature
+    weights = {*sig.inputs_to_parameters, *sig.inputs_to_buffers, *sig.inputs_to_lifted_tensor_constants}
+
+    def reads_weight(node, depth: int = 3) -> bool:  # through views and transposes of it
+        if not isinstance(node, torch.fx.Node) or depth == 0:
+            return False
+        return node.name in weights or (node.op == "call_function" and reads_weight(node.args[0], depth - 1))
+
+    dense = any(n.op == "call_function" and n.target in MATMULS and any(reads_weight(a) for a in n.args[:3])
+                for n in program.graph.nodes)
+    return PACKAGE_CONFIG if dense or dtype == torch.bfloat16 else SHARED_CONFIG
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor the model holds, by a name stable across processes: parameters, buffers, and
+    the tensors of its weights' other layouts (plain attributes: tidal.layers.linear, qblock)."""
+    found: dict[str, torch.Tensor] = {}
+
+    def visit(name: str, value, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            found.setdefault(name, value)
+        elif isinstance(value, dict) and depth < 3:
+            for k, v in value.items():
+                visit(f"{name}.{k}", v, depth + 1)
+        elif hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type)) and depth < 3:
+            for k, v in vars(value).items():
+                visit(f"{name}.{k}", v, depth + 1)
+
+    for prefix, module in model.named_modules():
+        items = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False),
+                 *((k, v) for k, v in vars(module).items() if not k.startswith("_"))]
+        for k, v in items:
+            visit(f"{prefix}.{k}" if prefix else k, v, 0)
+    return found
 
 
 def graph_of(num_tokens: int) -> str:
@@ -86,55 +137,110 @@ def dynamic_shapes(graph: str, num_kv: int) -> tuple:
 
 def compile_package(module: StepGraph, args: tuple, graph: str, path: Path) -> str:
     """Export `module` at the example `args` and compile it with AOTInductor into the shared
-    library at `path` (the step's package: weights inside), written whole or not at all. Returns
-    the name inductor gave the library (its cache keeps a copy under that name). AOTInductor
-    writes a .pt2 archive around the library; the library alone is kept, so that a start loads it
-    in place instead of unpacking the archive (300 MB a graph) to a temp folder each time, and
-    beside it (same name, .json) the spec by which the library calls tidal's own operator (the
-    block weights' kernel), which torch's runner reads from there."""
+    library at `path` (the step's package), written whole or not at all. Returns the name
+    inductor gave the library (its cache keeps a copy under that name). AOTInductor writes a .pt2
+    archive around the library; the library alone is kept, so that a start loads it in place
+    instead of unpacking the archive to a temp folder each time, and beside it (same name) the
+    .json spec by which the library calls tidal's own operators (torch's runner reads it from
+    there) and, where the weights are shared (package_config), the .constants.json naming the
+    model tensor each constant is and the .pt holding those inductor derived."""
     from torch._inductor import aoti_compile_and_package
 
     archive = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
     tmp = path.with_name(f".{path.stem}.{os.getpid()}{path.suffix}")
-    tmp_spec, spec = tmp.with_suffix(".json"), path.with_suffix(".json")
+    beside = (".json", ".constants.json", ".pt")
+    temps = {s: tmp.with_suffix(s) for s in beside}
     try:
         with torch.no_grad():
             program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(graph, len(args) - 9),
                                           strict=False)
-            aoti_compile_and_package(program, package_path=str(archive), inductor_configs=PACKAGE_CONFIG)
+            config = package_config(program, next(module.parameters()).dtype)
+            aoti_compile_and_package(program, package_path=str(archive), inductor_configs=config)
         with zipfile.ZipFile(archive) as z:
             model = [n for n in z.namelist() if "/data/aotinductor/model/" in n]
             (library,) = [n for n in model if n.endswith(".so")]
             specs = [n for n in model if n == library.removesuffix(".so") + ".json"]
-            # anything but the library, its sources, metadata and spec (separate weights, say)
-            # would be lost with the archive
-            if extra := [n for n in model if not n.endswith((".so", ".cpp", "_metadata.json")) and n not in specs]:
+            configs = [n for n in model if n.endswith("/weights_config.json")]
+            # anything but the library, its sources, metadata, spec and constants would be lost
+            # with the archive
+            if extra := [n for n in model if not n.endswith((".so", ".cpp", "_metadata.json"))
+                         and n not in specs + configs]:
                 raise RuntimeError(f"the compiled step needs files beside its library: {extra}")
             with z.open(library) as src, open(tmp, "wb") as dst:
                 shutil.copyfileobj(src, dst)
             for name in specs:
-                with z.open(name) as src, open(tmp_spec, "wb") as dst:
+                with z.open(name) as src, open(temps[".json"], "wb") as dst:
                     shutil.copyfileobj(src, dst)
-        if tmp_spec.is_file():
-            tmp_spec.replace(spec)
-        else:
-            spec.unlink(missing_ok=True)
+            if configs:
+                _share_constants(z, configs[0], tmp, model_tensors(module.model), temps[".constants.json"],
+                                 temps[".pt"])
+        for suffix, t in temps.items():
+            if t.is_file():
+                t.replace(path.with_suffix(suffix))
+            else:
+                path.with_suffix(suffix).unlink(missing_ok=True)
         tmp.replace(path)  # the library last: a start takes its presence for the package's
     finally:
         archive.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
-        tmp_spec.unlink(missing_ok=True)
+        for t in (tmp, *temps.values()):
+            t.unlink(missing_ok=True)
     return Path(library).name
+
+
+def _share_constants(z: zipfile.ZipFile, config: str, library: Path, tensors: dict[str, torch.Tensor],
+                     names_path: Path, derived_path: Path) -> None:
+    """For each constant of the compiled `library` (its values in the archive `z`), the model
+    tensor whose storage holds it (written to `names_path` with the view: shape, stride, storage
+    offset), or, for those inductor derived, its value (saved to `derived_path`). The archive
+    names constants by their original names, the library by its own."""
+    root = config.split("/data/")[0]
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
+    own = {fqn: name for name, fqn in runner.get_constant_names_to_original_fqns().items()}
+    loaded: dict[str, torch.Tensor] = {}
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        by_dtype.setdefault(t.dtype, []).append((name, t))
+    names, derived = {}, {}
+    for fqn, (file, shape, stride, offset) in json.loads(z.read(config)).items():
+        if file not in loaded:
+            loaded[file] = torch.load(io.BytesIO(z.read(f"{root}/data/weights/{file}")), weights_only=True)
+        value = loaded[file].as_strided(shape, stride, offset)
+        size = loaded[file].untyped_storage().nbytes()
+        # a constant the model holds was saved with its whole storage; its own name, then the
+        # same view, first
+        candidates = sorted((c for c in by_dtype.get(value.dtype, ()) if c[1].untyped_storage().nbytes() == size),
+                            key=lambda c: (c[0] != fqn.removeprefix("model."),
+                                           (tuple(c[1].shape), c[1].stride(), c[1].storage_offset())
+                                           != (tuple(shape), tuple(stride), offset)))
+        owner = next((name for name, t in candidates if torch.equal(t.as_strided(shape, stride, offset), value)), None)
+        constant = own[fqn]
+        names[constant] = {"tensor": owner, "shape": list(shape), "stride": list(stride), "offset": offset}
+        if owner is None:
+            derived[constant] = loaded[file]
+    if set(names) != set(own.values()):
+        raise RuntimeError(f"the archive lacks constants of the compiled step: {sorted(set(own.values()) - set(names))}")
+    names_path.write_text(json.dumps(names))
+    if derived:
+        torch.save(derived, derived_path)
 
 
 class LoadedPackage:
     """A step's library loaded in place by torch's C++ runner, called with the step's flat
     tensors; returns the outputs as a list. Not through torch's Python loader
     (`aoti_load_package`), which imports inductor and dynamo (over a second of a start) only to
-    compare the device the package was built for, which the compile key already pins."""
+    compare the device the package was built for, which the compile key already pins. A library
+    without its weights gets them from `tensors` (model_tensors of the model it was built from)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, tensors: dict[str, torch.Tensor]):
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)  # one model instance
+        names = path.with_suffix(".constants.json")
+        if names.is_file():
+            derived = path.with_suffix(".pt")
+            stored = torch.load(derived, mmap=True, weights_only=True) if derived.is_file() else {}
+            # the runner keeps pointers only: these views must live as long as it does
+            self.constants = {c: (tensors[v["tensor"]] if v["tensor"] else stored[c]).as_strided(
+                v["shape"], v["stride"], v["offset"]) for c, v in json.loads(names.read_text()).items()}
+            self.runner.update_constant_buffer(self.constants, False, True, True)  # all of them, not copied
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         return self.runner.run(list(args))
@@ -145,14 +251,15 @@ class PackagedStep:
 
     MAX_TOKENS = COMPILED_MAX_TOKENS
 
-    def __init__(self, paths: dict[str, Path], kv_caches: list[tuple]):
+    def __init__(self, paths: dict[str, Path], kv_caches: list[tuple], model: nn.Module):
         self.graphs = {}
+        self.tensors = model_tensors(model)
         for g, p in paths.items():
             self.add(g, p)
         self.kv = tuple(t for pair in kv_caches for t in pair)
 
     def add(self, graph: str, path: Path) -> None:
-        self.graphs[graph] = LoadedPackage(path)
+        self.graphs[graph] = LoadedPackage(path, self.tensors)
 
     def covers(self, num_tokens: int) -> bool:
         return num_tokens <= self.MAX_TOKENS and graph_of(num_tokens) in self.graphs

@@ -258,7 +258,7 @@ class ModelRunner:
         try:
             if self.device.type in PACKAGED_DEVICES:
                 paths = self._packages(model, background)
-                self.compiled = PackagedStep({g: p for g, p in paths.items() if p.is_file()}, self.kv_caches)
+                self.compiled = PackagedStep({g: p for g, p in paths.items() if p.is_file()}, self.kv_caches, self.model)
             else:
                 self._capture()
         except Exception as e:  # an optimisation that cannot be had must not stop the engine
