@@ -7,6 +7,8 @@ sdist (the release pip installed for the bundled model), once, under the user's 
 Then, for each thread count:
 - start-up: seconds from launch to /health of llama-server and of `tidal serve` (defaults, its
   compiled steps and profile cached), taking turns (`--startup-rounds`; `--startup-only`);
+- resident memory: each server (defaults, warm) alone, after `--memory-requests` chat requests
+  one at a time, its VmRSS, RssAnon and RssFile (`/proc`), beside the KV cache it was given;
 - offline, one request: `llama-bench` tg (its own timing, no HTTP, no prompt) against tidal's
   engine generating the same number of greedy tokens after a chat prompt (speculation off, and the
   default adaptive EAGLE-3), timed from its first token to its last, so that neither rate counts
@@ -357,6 +359,49 @@ def startup(bin_dir: Path, gguf: Path, threads: int, rounds: int, out: Path) -> 
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+# ------------------------------------------------------------------ resident memory
+
+
+def _status_mb(pid: int) -> dict[str, float]:
+    """VmRSS, RssAnon and RssFile of process `pid`, MB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return {k: int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "RssAnon", "RssFile")}
+
+
+def resident(bin_dir: Path, gguf: Path, threads: int, requests: int, out: Path) -> dict[str, dict[str, float]]:
+    """Resident memory of llama-server and of `tidal serve` (their defaults; tidal's compiled steps
+    cached; of its 2 GiB KV cache only the pages written are resident), each measured after
+    `requests` chat requests (64 greedy tokens) sent one at a time."""
+    from tidal.bench.launch import free_port
+    from tidal.datasets import chat_prompts
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    log = out.with_name(out.name + "-memory.log")
+    prompts = (chat_prompts() * requests)[:requests]
+    result = {}
+    for name in ("llama-server", "tidal serve"):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = ([str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t",
+                str(threads), "-tb", str(threads), "--no-repack", "--no-webui"] if name == "llama-server" else
+               [sys.executable, "-m", "tidal.cli", "serve", "--port", str(port), "--wait-compiled"])
+        with open(log, "ab") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            wait_healthy(proc, url, log, 1800)  # a first start compiles
+            for prompt in prompts:
+                httpx.post(url + "/v1/chat/completions", timeout=300, json={
+                    "messages": [{"role": "user", "content": prompt}], "max_tokens": 64,
+                    "temperature": 0}).raise_for_status()
+            result[name] = _status_mb(proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        print(f"peers: resident t={threads} {name} after {requests} requests: "
+              + ", ".join(f"{k} {v:.0f} MB" for k, v in result[name].items()), file=sys.stderr)
+    return result
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -373,7 +418,9 @@ def main() -> int:
     ap.add_argument("--dense", action="store_true",
                     help="tidal off with --weight-layouts dense too, offline (the dense weights' baseline)")
     ap.add_argument("--startup-rounds", type=int, default=5, help="launches of each server, timed to /health")
-    ap.add_argument("--startup-only", action="store_true", help="only the start-up rounds")
+    ap.add_argument("--startup-only", action="store_true", help="only the start-up rounds (and --memory-requests)")
+    ap.add_argument("--memory-requests", type=int, default=8,
+                    help="requests before each server's resident memory is read (0: not measured)")
     ap.add_argument("--isa", default="native", choices=list(ISA_BUILD),
                     help="avx2: both engines restricted to AVX2 on any x86 CPU (llama.cpp built a second time "
                          "without AVX512/AMX; torch, inductor and oneDNN through their environment variables)")
@@ -392,11 +439,14 @@ def main() -> int:
                     "isa": {"asked": args.isa, **isa},
                     "offline": {}, "servers": {}}
     rows = []
-    starts = {}
+    starts, memory = {}, {}
     for t in map(int, args.threads.split(",")):
         if args.startup_rounds:
             starts[t] = startup(bin_dir, gguf, t, args.startup_rounds, out.with_name(f"{out.name}-t{t}"))
             result.setdefault("startup", {})[t] = starts[t]
+        if args.memory_requests:
+            memory[t] = resident(bin_dir, gguf, t, args.memory_requests, out.with_name(f"{out.name}-t{t}"))
+            result.setdefault("resident_mb", {})[t] = memory[t]
         if args.startup_only:
             continue
         off = offline(bin_dir, gguf, t, args.output_len, args.rounds, args.eager, args.dense)
@@ -423,6 +473,14 @@ def main() -> int:
         for t, st in starts.items():
             print(f"| {t} | {st['llama-server']:.2f} | {st['tidal serve']:.2f} | "
                   f"{st['tidal serve'] / st['llama-server']:.2f}x |")
+    if memory:
+        print(f"\n# resident memory after {args.memory_requests} chat requests (MB; of tidal's KV cache only "
+              "the pages written are resident)")
+        print("| threads | server | VmRSS | RssAnon | RssFile |")
+        print("|---|---|---|---|---|")
+        for t, servers_mb in memory.items():
+            for name, mb in servers_mb.items():
+                print(f"| {t} | {name} | {mb['VmRSS']:.0f} | {mb['RssAnon']:.0f} | {mb['RssFile']:.0f} |")
     if not rows:
         return 0
     cpu = result["cpu"]
