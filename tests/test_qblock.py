@@ -142,6 +142,19 @@ def test_the_loader_reads_q8_0_as_gguf_dequantizes_it():
     assert np.array_equal(loader._q8_0_weights(head), want.reshape(-1, want.shape[-1]))
 
 
+def test_the_head_blocks_taken_from_the_file_are_those_rounding_its_dense_head_gives():
+    """The bundled Q8_0 head's blocks are read as the file stores them (no second rounding at
+    every start); they are byte for byte what rounding the dequantized head to Q8_0 gives, and
+    the tied embedding is looked up in them."""
+    loaded = loader.load(None)
+    assert loaded.head_q8 is not None
+    dense = loaded.weights["embed"]
+    assert torch.equal(loaded.head_q8, QBlockWeight.quantize_q8(dense, 1).blocks)
+    model = loader.build_model(loaded, torch.device("cpu"), torch.float32)
+    model.attach_qblock({}, {tuple(dense.shape): 64}, head=True, head_q8=loaded.head_q8)
+    assert model.qblock_embed is model.qblock_head and torch.equal(model.qblock_head.dequantize(), model.embed)
+
+
 def test_the_loader_reads_q4_1_as_gguf_dequantizes_it():
     import gguf
     import numpy as np

@@ -31,12 +31,15 @@ class LoadedModel:
     # 4-bit codes of fused layer weights, when the file stores them so: name -> (codes, scale, min)
     int4_codes: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     quantized_head: bool = False  # the file stores the output head at 8 bits a weight or fewer
+    # the head's Q8_0 blocks as the file stores them, in QBlockWeight's row layout (a Q8_0 head)
+    head_q8: torch.Tensor | None = None
 
 
 def build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> LlamaModel:
     """Our model over the loaded weights, on `device` in `dtype`."""
     model = LlamaModel(loaded.config)
-    model.load_state_dict(loaded.weights, strict=True)
+    # the loaded tensors become the parameters (no copy of the whole model at every start)
+    model.load_state_dict(loaded.weights, strict=True, assign=True)
     return model.to(device=device, dtype=dtype)
 
 
@@ -57,7 +60,7 @@ def pack_model(model: LlamaModel, loaded: LoadedModel, device: torch.device, dty
     (the file's own 4-bit codes and an 8-bit head) and fp16 ones."""
     layouts = layouts or {}
     if layouts.get("qblock"):
-        model.attach_qblock(loaded.int4_codes, layouts["qblock"], head=loaded.quantized_head)
+        model.attach_qblock(loaded.int4_codes, layouts["qblock"], head=loaded.quantized_head, head_q8=loaded.head_q8)
     if layouts.get("fp16"):
         model.attach_fp16(layouts["fp16"])
     if device.type == "cpu" and dtype == torch.bfloat16:
@@ -197,7 +200,8 @@ def _load_gguf(path: Path) -> LoadedModel:
                 codes[p + param] = tuple(torch.from_numpy(np.concatenate(c)) for c in zip(*parts))
     head = tensors["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"]
     return LoadedModel(cfg, w, _gguf_tokenizer(meta), meta.get("general.name", path.stem), codes,
-                       quantized_head=head.tensor_type not in (Q.F32, Q.F16, Q.BF16, Q.F64))
+                       quantized_head=head.tensor_type not in (Q.F32, Q.F16, Q.BF16, Q.F64),
+                       head_q8=_q8_0_rows(head) if head.tensor_type == Q.Q8_0 else None)
 
 
 def _q4_codes(t, n_head: int | None = None):
@@ -220,6 +224,14 @@ def _q4_codes(t, n_head: int | None = None):
     if n_head is not None:
         codes, scale, minimum = (_unpermute(a, n_head) for a in (codes, scale, minimum))
     return codes, scale, minimum
+
+
+def _q8_0_rows(t) -> torch.Tensor:
+    """A Q8_0 tensor's blocks as QBlockWeight holds them: each row its blocks' fp16 scales, then
+    their int8 codes (the file's bytes reordered, so nothing is rounded again)."""
+    k, n = int(t.shape[0]), int(t.shape[1])
+    blocks = np.asarray(t.data).reshape(n, k // 32, 34)
+    return torch.from_numpy(np.concatenate([blocks[..., 0:2].reshape(n, -1), blocks[..., 2:].reshape(n, -1)], -1))
 
 
 def _q8_0_weights(t) -> np.ndarray:
