@@ -177,9 +177,13 @@ def test_compiling_a_package_leaves_no_copy_of_its_library_in_inductors_cache(ti
     model_runner._run_workers([[{"model": str(tiny_model_dir), "dtype": "float32", "device": "cpu",
                                 "threads": torch.get_num_threads(), "aux_layers": [], "block_size": 4,
                                 "qblock": [], "graph": "one", "path": str(package)}]])
-    # no archive, no partial file; beside the library (dense weights: inside it), the spec by which
-    # it calls tidal's operators
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [package.with_suffix(".json").name, package.name]
+    # no archive, no partial file; beside the library, its weights (dense: its own copy, prepacked)
+    # and the spec by which it calls tidal's operators
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [
+        package.with_suffix(".blob").name, package.with_suffix(".json").name, package.name]
+    package.with_suffix(".blob").unlink()  # a cache half deleted: a clear error, not a crash
+    with pytest.raises(FileNotFoundError, match="constants"):
+        LoadedPackage(package, {})
     cached = [p.name for p in cache.rglob("*") if p.is_file()]
     assert any(name.endswith(".kernel.cpp") for name in cached)  # the compile did use that cache
     assert not [name for name in cached if ".wrapper." in name]  # the library, its source, its metadata

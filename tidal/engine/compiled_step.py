@@ -42,19 +42,24 @@ GRAPHS = {"one": (1, 1), "few": (2, INT4_ROW_TILE), "many": (INT4_ROW_TILE + 1, 
 # freezing: weights become constants, which is what lets inductor pick its low-bit GEMM templates;
 # weight_prepack lets it lay the dense ones (the widest graph's projections) out for its own GEMM
 # templates too, where unpacked they are re-laid out on every call (see linear.PackedWeight)
-PACKAGE_CONFIG = {"freezing": True, "max_autotune": True, "cpp.weight_prepack": True}
-# the same, the constants left out of the library (the model's tensors are handed to it at load)
-SHARED_CONFIG = {**PACKAGE_CONFIG, "aot_inductor.package_constants_in_so": False,
-                 "aot_inductor.package_constants_on_disk_format": "pickle_weights"}
+FROZEN = {"freezing": True, "max_autotune": True, "cpp.weight_prepack": True,
+          "aot_inductor.package_constants_in_so": False}
+# the constants out of the library: in one file beside it (.blob), which the runner copies from
+# at load and does not keep mapped (constants inside the library stay resident twice: mapped,
+# and copied)...
+BLOB_CONFIG = {**FROZEN, "aot_inductor.package_constants_on_disk_format": "binary_blob"}
+# ...or one by one, so that each is matched to the model tensor that holds it (handed to the
+# runner at load: not copied at all)
+SHARED_CONFIG = {**FROZEN, "aot_inductor.package_constants_on_disk_format": "pickle_weights"}
 MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
            torch.ops.aten.matmul.default}
 
 
 def package_config(program: torch.export.ExportedProgram, dtype: torch.dtype) -> dict:
-    """The graph's inductor options. Its weights stay in its library where it multiplies by a
-    dense weight, which inductor prepacks into oneDNN's opaque layout (such copies can be neither
-    shared nor saved, and unpacked the graph runs slower: docs/results/notebook.md), and for bf16
-    models (whose low-bit kernels were tuned that way); otherwise they are shared."""
+    """The graph's inductor options. It keeps its own copy of the weights (BLOB_CONFIG) where it
+    multiplies by a dense weight, which inductor prepacks into oneDNN's opaque layout (such
+    copies cannot be shared, and unpacked the graph runs slower: docs/results/notebook.md), and
+    for bf16 models (whose low-bit kernels were tuned that way); otherwise it shares the model's."""
     sig = program.graph_signature
     weights = {*sig.inputs_to_parameters, *sig.inputs_to_buffers, *sig.inputs_to_lifted_tensor_constants}
 
@@ -65,7 +70,7 @@ def package_config(program: torch.export.ExportedProgram, dtype: torch.dtype) ->
 
     dense = any(n.op == "call_function" and n.target in MATMULS and any(reads_weight(a) for a in n.args[:3])
                 for n in program.graph.nodes)
-    return PACKAGE_CONFIG if dense or dtype == torch.bfloat16 else SHARED_CONFIG
+    return BLOB_CONFIG if dense or dtype == torch.bfloat16 else SHARED_CONFIG
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -142,13 +147,13 @@ def compile_package(module: StepGraph, args: tuple, graph: str, path: Path) -> s
     archive around the library; the library alone is kept, so that a start loads it in place
     instead of unpacking the archive to a temp folder each time, and beside it (same name) the
     .json spec by which the library calls tidal's own operators (torch's runner reads it from
-    there) and, where the weights are shared (package_config), the .constants.json naming the
-    model tensor each constant is and the .pt holding those inductor derived."""
+    there) and its constants (package_config): the .blob holding them all, or the .constants.json
+    naming the model tensor each is and the .pt holding those inductor derived."""
     from torch._inductor import aoti_compile_and_package
 
     archive = path.with_name(f".{path.stem}.{os.getpid()}.pt2")
     tmp = path.with_name(f".{path.stem}.{os.getpid()}{path.suffix}")
-    beside = (".json", ".constants.json", ".pt")
+    beside = (".json", ".blob", ".constants.json", ".pt")
     temps = {s: tmp.with_suffix(s) for s in beside}
     try:
         with torch.no_grad():
@@ -161,15 +166,16 @@ def compile_package(module: StepGraph, args: tuple, graph: str, path: Path) -> s
             (library,) = [n for n in model if n.endswith(".so")]
             specs = [n for n in model if n == library.removesuffix(".so") + ".json"]
             configs = [n for n in model if n.endswith("/weights_config.json")]
+            blobs = [n for n in model if n == library.removesuffix(".so") + "_weights.blob"]
             # anything but the library, its sources, metadata, spec and constants would be lost
             # with the archive
             if extra := [n for n in model if not n.endswith((".so", ".cpp", "_metadata.json"))
-                         and n not in specs + configs]:
+                         and n not in specs + configs + blobs]:
                 raise RuntimeError(f"the compiled step needs files beside its library: {extra}")
             with z.open(library) as src, open(tmp, "wb") as dst:
                 shutil.copyfileobj(src, dst)
-            for name in specs:
-                with z.open(name) as src, open(temps[".json"], "wb") as dst:
+            for name, suffix in [*((n, ".json") for n in specs), *((n, ".blob") for n in blobs)]:
+                with z.open(name) as src, open(temps[suffix], "wb") as dst:
                     shutil.copyfileobj(src, dst)
             if configs:
                 _share_constants(z, configs[0], tmp, model_tensors(module.model), temps[".constants.json"],
@@ -228,13 +234,19 @@ class LoadedPackage:
     """A step's library loaded in place by torch's C++ runner, called with the step's flat
     tensors; returns the outputs as a list. Not through torch's Python loader
     (`aoti_load_package`), which imports inductor and dynamo (over a second of a start) only to
-    compare the device the package was built for, which the compile key already pins. A library
-    without its weights gets them from `tensors` (model_tensors of the model it was built from)."""
+    compare the device the package was built for, which the compile key already pins. Its
+    constants come from the .blob beside it, or are `tensors` (model_tensors of the model it was
+    built from) as its .constants.json names them."""
 
     def __init__(self, path: Path, tensors: dict[str, torch.Tensor]):
         self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)  # one model instance
-        names = path.with_suffix(".constants.json")
-        if names.is_file():
+        names, blob = path.with_suffix(".constants.json"), path.with_suffix(".blob")
+        if blob.is_file():
+            self.runner.update_constant_buffer_from_blob(str(blob))
+        elif not names.is_file():
+            if self.runner.get_constant_names_to_original_fqns():  # it would run on unset constants
+                raise FileNotFoundError(f"{path.name}: its constants ({blob.name} or {names.name}) are missing")
+        else:
             derived = path.with_suffix(".pt")
             stored = torch.load(derived, mmap=True, weights_only=True) if derived.is_file() else {}
             # the runner keeps pointers only: these views must live as long as it does
