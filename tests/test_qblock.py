@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tidal.config import CacheConfig
-from tidal.engine import profile_cache
+from tidal.engine import compiled_step, profile_cache
 from tidal.engine.compiled_step import LoadedPackage, StepGraph, compile_package, flat_args, model_tensors
 from tidal.engine.model_runner import ModelRunner
 from tidal.layers.linear import linear
@@ -99,10 +99,12 @@ def test_a_tied_q8_embedding_is_looked_up_in_the_head_blocks(tmp_path):
     assert torch.equal(model.qblock_embed.rows(ids), model.embed[ids])
 
 
-def test_a_compiled_step_calls_the_kernel_and_matches_eager(tmp_path):
+@pytest.mark.parametrize("unheld", [(), ("cos",)])
+def test_a_compiled_step_calls_the_kernel_and_matches_eager(tmp_path, monkeypatch, unheld):
     """The one-token graph over block weights (embedding lookup, projections, head), compiled to
     its package (library and the spec by which it calls the kernel), loaded in place: the eager
-    step's logits."""
+    step's logits. Its constants are the model's own tensors; one the model does not hold
+    (`unheld`, as a constant inductor derived would be) is kept beside the library instead."""
     make_tiny_llama(tmp_path / "tied", tie=True)
     model = loader.build_model(loader.load(str(tmp_path / "tied")), torch.device("cpu"), torch.float32)
     for layer in model.layers:
@@ -118,16 +120,18 @@ def test_a_compiled_step_calls_the_kernel_and_matches_eager(tmp_path):
     with torch.no_grad():
         want = StepGraph(model, ()).eval()(*args)[0]
     path = tmp_path / "step-one.so"
+    tensors = model_tensors(model)
+    monkeypatch.setattr(compiled_step, "model_tensors", lambda m: {k: v for k, v in tensors.items() if k not in unheld})
     compile_package(StepGraph(model, ()).eval(), args, "one", path)
     assert path.with_suffix(".json").is_file()
-    tensors = model_tensors(model)
     graph = LoadedPackage(path, tensors)
     torch.testing.assert_close(graph(*args)[0], want, rtol=1e-4, atol=1e-4)
     # no dense weight multiplied: the library holds no weights, its constants are the model's own
-    # tensors (blocks, norms, rotary tables), nothing derived kept beside it
-    storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
-    assert graph.constants and all(t.untyped_storage().data_ptr() in storages for t in graph.constants.values())
-    assert path.with_suffix(".constants.json").is_file() and not path.with_suffix(".pt").exists()
+    # tensors (blocks, norms, rotary tables), but for those kept beside it
+    storages = {tensors[k].untyped_storage().data_ptr() for k in tensors.keys() - set(unheld)}
+    shared = [c for c, t in graph.constants.items() if t.untyped_storage().data_ptr() in storages]
+    assert path.with_suffix(".constants.json").is_file() and path.with_suffix(".pt").exists() == bool(unheld)
+    assert len(graph.constants) - len(shared) == len(unheld) and len(shared) > 10
 
 
 def test_the_loader_reads_q8_0_as_gguf_dequantizes_it():
