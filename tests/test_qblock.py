@@ -2,6 +2,8 @@
 blocks hold the file's weights exactly, the kernel multiplies by exactly those weights (its only
 rounding is the activations', to 8 bits a block), inside a compiled step as in an eager one."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -132,6 +134,18 @@ def test_a_compiled_step_calls_the_kernel_and_matches_eager(tmp_path, monkeypatc
     shared = [c for c, t in graph.constants.items() if t.untyped_storage().data_ptr() in storages]
     assert path.with_suffix(".constants.json").is_file() and path.with_suffix(".pt").exists() == bool(unheld)
     assert len(graph.constants) - len(shared) == len(unheld) and len(shared) > 10
+    # a package whose constants file is incomplete, or whose derived constants are gone, does not load
+    names = path.with_suffix(".constants.json")
+    listed = json.loads(names.read_text())
+    one = next(c for c, v in listed.items() if v["tensor"] is not None)
+    names.write_text(json.dumps({c: v for c, v in listed.items() if c != one}))
+    with pytest.raises(RuntimeError, match="does not name the library's constants"):
+        LoadedPackage(path, tensors)
+    if unheld:
+        names.write_text(json.dumps(listed))
+        path.with_suffix(".pt").unlink()
+        with pytest.raises(FileNotFoundError, match="derived constants"):
+            LoadedPackage(path, tensors)
 
 
 def test_the_loader_reads_q8_0_as_gguf_dequantizes_it():

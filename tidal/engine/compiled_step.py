@@ -200,8 +200,8 @@ def _share_constants(z: zipfile.ZipFile, config: str, library: Path, tensors: di
     offset), or, for those inductor derived, its value (saved to `derived_path`). The archive
     names constants by their original names, the library by its own."""
     root = config.split("/data/")[0]
-    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
-    own = {fqn: name for name, fqn in runner.get_constant_names_to_original_fqns().items()}
+    fqns = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1).get_constant_names_to_original_fqns()
+    own = {fqn: name for name, fqn in fqns.items()}
     loaded: dict[str, torch.Tensor] = {}
     by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for name, t in tensors.items():
@@ -223,8 +223,8 @@ def _share_constants(z: zipfile.ZipFile, config: str, library: Path, tensors: di
         names[constant] = {"tensor": owner, "shape": list(shape), "stride": list(stride), "offset": offset}
         if owner is None:
             derived[constant] = loaded[file]
-    if set(names) != set(own.values()):
-        raise RuntimeError(f"the archive lacks constants of the compiled step: {sorted(set(own.values()) - set(names))}")
+    if set(names) != set(fqns):
+        raise RuntimeError(f"the archive's constants are not the compiled step's: {sorted(set(fqns) ^ set(names))}")
     names_path.write_text(json.dumps(names))
     if derived:
         torch.save(derived, derived_path)
@@ -247,12 +247,18 @@ class LoadedPackage:
             if self.runner.get_constant_names_to_original_fqns():  # it would run on unset constants
                 raise FileNotFoundError(f"{path.name}: its constants ({blob.name} or {names.name}) are missing")
         else:
-            derived = path.with_suffix(".pt")
+            derived, listed = path.with_suffix(".pt"), json.loads(names.read_text())
+            if any(v["tensor"] is None for v in listed.values()) and not derived.is_file():
+                raise FileNotFoundError(f"{path.name}: its derived constants ({derived.name}) are missing")
+            # the runner checks neither that every constant is given (a missing one would run on
+            # unset memory) nor their kinds: the file must name exactly the library's constants
+            if set(listed) != set(self.runner.get_constant_names_to_original_fqns()):
+                raise RuntimeError(f"{path.name}: {names.name} does not name the library's constants")
             stored = torch.load(derived, mmap=True, weights_only=True) if derived.is_file() else {}
-            # the runner keeps pointers only: these views must live as long as it does
+            # not copied; torch's runner holds its own reference to each for the rest of the process
             self.constants = {c: (tensors[v["tensor"]] if v["tensor"] else stored[c]).as_strided(
-                v["shape"], v["stride"], v["offset"]) for c, v in json.loads(names.read_text()).items()}
-            self.runner.update_constant_buffer(self.constants, False, True, True)  # all of them, not copied
+                v["shape"], v["stride"], v["offset"]) for c, v in listed.items()}
+            self.runner.update_constant_buffer(self.constants, False, True, True)
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         return self.runner.run(list(args))
