@@ -167,7 +167,7 @@ def test_the_head_blocks_taken_from_the_file_are_those_rounding_its_dense_head_g
     loaded = loader.load(None)
     assert loaded.head_q8 is not None
     dense = loaded.weights["embed"]
-    assert torch.equal(loaded.head_q8, QBlockWeight.quantize_q8(dense, 1).blocks)
+    assert torch.equal(QBlockWeight.from_q8_0(*loaded.head_q8, 1).blocks, QBlockWeight.quantize_q8(dense, 1).blocks)
     model = loader.build_model(loaded, torch.device("cpu"), torch.float32)
     model.attach_qblock({}, {tuple(dense.shape): 64}, head=True, head_q8=loaded.head_q8)
     assert model.qblock_embed is model.qblock_head and torch.equal(model.qblock_head.dequantize(), model.embed)

@@ -53,8 +53,14 @@ class QBlockWeight:
         scale = (g.abs().amax(-1) / 127).to(torch.float16)
         inv = torch.where(scale > 0, 1 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
         codes = (g * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
-        return cls(torch.cat([scale.view(torch.uint8).view(n, -1), codes.view(torch.uint8).view(n, -1)], -1),
-                   8, max_rows)
+        return cls.from_q8_0(scale, codes.view(n, k), max_rows)
+
+    @classmethod
+    def from_q8_0(cls, scale: torch.Tensor, codes: torch.Tensor, max_rows: int) -> "QBlockWeight":
+        """scale fp16 [N, K / 32], codes int8 [N, K]: weight = code * scale (GGUF's Q8_0)."""
+        n = codes.shape[0]
+        return cls(torch.cat([scale.contiguous().view(torch.uint8).view(n, -1),
+                              codes.contiguous().view(torch.uint8).view(n, -1)], -1), 8, max_rows)
 
     @classmethod
     def quantize_q4(cls, weight: torch.Tensor, max_rows: int) -> "QBlockWeight":

@@ -122,11 +122,11 @@ class LlamaModel(nn.Module):
         self.fp16_head = copy(self.unembedding)
 
     def attach_qblock(self, codes: dict[str, tuple], max_rows: dict[tuple[int, int], int], head: bool,
-                      head_q8: torch.Tensor | None = None) -> None:
+                      head_q8: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Block copies of the layer weights the file stores at 4 bits (`codes`, as attach_int4
         takes them) and, with `head`, of the output head at 8 bits (`head_q8`: the file's own
-        Q8_0 blocks, else rounded from the dense head), each serving steps of up to its shape's
-        `max_rows` (none where that is 0)."""
+        Q8_0 scales and codes, else rounded from the dense head), each serving steps of up to its
+        shape's `max_rows` (none where that is 0)."""
         for name, (q, scale, minimum) in codes.items():
             _, i, param = name.split(".")
             if rows := max_rows.get(tuple(q.shape), 0):
@@ -134,7 +134,7 @@ class LlamaModel(nn.Module):
         rows = max_rows.get(tuple(self.unembedding.shape), 0)
         if head and rows and QBlockWeight.supported(self.unembedding):
             exact = head_q8 is not None  # the dense head was dequantized from these very blocks
-            self.qblock_head = (QBlockWeight(head_q8, 8, rows) if exact
+            self.qblock_head = (QBlockWeight.from_q8_0(*head_q8, rows) if exact
                                 else QBlockWeight.quantize_q8(self.unembedding, rows))
             # a tied Q8_0 embedding comes back exactly: look tokens up in the blocks, so that
             # steps the head's blocks serve need no fp32 copy of the embedding

@@ -31,8 +31,8 @@ class LoadedModel:
     # 4-bit codes of fused layer weights, when the file stores them so: name -> (codes, scale, min)
     int4_codes: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     quantized_head: bool = False  # the file stores the output head at 8 bits a weight or fewer
-    # the head's Q8_0 blocks as the file stores them, in QBlockWeight's row layout (a Q8_0 head)
-    head_q8: torch.Tensor | None = None
+    # a Q8_0 head's fp16 scales [N, K / 32] and int8 codes [N, K], as the file stores them
+    head_q8: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> LlamaModel:
@@ -201,7 +201,7 @@ def _load_gguf(path: Path) -> LoadedModel:
     head = tensors["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"]
     return LoadedModel(cfg, w, _gguf_tokenizer(meta), meta.get("general.name", path.stem), codes,
                        quantized_head=head.tensor_type not in (Q.F32, Q.F16, Q.BF16, Q.F64),
-                       head_q8=_q8_0_rows(head) if head.tensor_type == Q.Q8_0 else None)
+                       head_q8=_q8_0(head) if head.tensor_type == Q.Q8_0 else None)
 
 
 def _q4_codes(t, n_head: int | None = None):
@@ -226,23 +226,23 @@ def _q4_codes(t, n_head: int | None = None):
     return codes, scale, minimum
 
 
-def _q8_0_rows(t) -> torch.Tensor:
-    """A Q8_0 tensor's blocks as QBlockWeight holds them: each row its blocks' fp16 scales, then
-    their int8 codes (the file's bytes reordered, so nothing is rounded again)."""
+def _q8_0(t) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's fp16 scales [N, K / 32] and int8 codes [N, K] (blocks of an fp16 scale d
+    and 32 int8 codes q; weight = d * q), copied out of the file."""
     k, n = int(t.shape[0]), int(t.shape[1])
     blocks = np.asarray(t.data).reshape(n, k // 32, 34)
-    return torch.from_numpy(np.concatenate([blocks[..., 0:2].reshape(n, -1), blocks[..., 2:].reshape(n, -1)], -1))
+    scale = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+    codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(n, k))  # contiguous for torch's threads
+    return scale, codes
 
 
 def _q8_0_weights(t) -> np.ndarray:
-    """A Q8_0 tensor in float32, as gguf dequantizes it (blocks of an fp16 scale d and 32 int8
-    codes q; weight = d * q), in one vectorised pass on torch's threads instead of gguf's row
-    groups, which a start would otherwise wait on for a large embedding."""
-    k, n = int(t.shape[0]), int(t.shape[1])
-    blocks = np.asarray(t.data).reshape(n, k // 32, 34)
-    scale = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)).float()
-    codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8))  # contiguous: torch's threads convert it
-    return (codes.float() * scale).view(n, k).numpy()
+    """A Q8_0 tensor in float32, as gguf dequantizes it, in one vectorised pass on torch's
+    threads instead of gguf's row groups, which a start would otherwise wait on for a large
+    embedding."""
+    scale, codes = _q8_0(t)
+    n, k = codes.shape
+    return (codes.view(n, k // 32, 32).float() * scale.float()[..., None]).view(n, k).numpy()
 
 
 def _gguf_tokenizer(meta: dict) -> Tokenizer:
