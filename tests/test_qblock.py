@@ -68,6 +68,18 @@ def test_the_kernel_multiplies_by_the_blocks_weight(bits, rows):
     assert ((q(y) - ref).norm() / ref.norm()).item() < 0.02
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [48, 131])
+def test_from_many_rows_the_kernel_multiplies_the_activations_unrounded(bits, rows):
+    """Many rows: the weight widened to fp32 a tile of columns at a time, then an fp32 GEMM (a
+    column count no tile divides, and more columns than a tile holds)."""
+    g = torch.Generator().manual_seed(rows + bits)
+    w = torch.randn(1003, 96, generator=g) * 0.05
+    q = QBlockWeight.quantize_q4(w, 4096) if bits == 4 else QBlockWeight.quantize_q8(w, 4096)
+    x = torch.randn(rows, 96, generator=g)
+    torch.testing.assert_close(q(x), x @ q.dequantize().t(), rtol=1e-5, atol=1e-5)
+
+
 def test_linear_takes_the_blocks_up_to_their_rows_then_the_dense_weight():
     g = torch.Generator().manual_seed(2)
     w = q8_weight(64, 96, g)

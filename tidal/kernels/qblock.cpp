@@ -6,10 +6,14 @@
 // The scales lie together so that eight convert in one instruction instead of one each.
 // x is rounded per block of 32 to int8 with its own scale (as llama.cpp does on the CPU), so each
 // block's dot product is an integer one: on AVX2, 32 byte products summed in three instructions.
-// Each weight block is read once per 8 rows of x and multiplied into each of them.
+// Each weight block is read once per 4 rows of x and multiplied into each of them (8 rows' sums
+// and the operands no longer fit AVX2's 16 vector registers), and the weights are walked in
+// tiles of columns small enough to stay in cache while every row group of x passes over them.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -27,7 +31,13 @@
 namespace {
 
 constexpr int64_t QK = 32;
-constexpr int64_t ROWS = 8;  // rows of x per pass over the weights
+constexpr int64_t ROWS = 4;         // rows of x per pass over a tile of weights
+constexpr int64_t TILE_BYTES = 32 << 10;  // weight bytes of a tile of columns (a core's L1 holds it)
+constexpr int64_t SMALL = 8;         // up to this many rows, each thread rounds x itself
+// From this many rows the integer products cost more than reading the weights: a tile of columns
+// is widened to fp32 in cache and multiplied by torch's fp32 GEMM, x unrounded.
+constexpr int64_t WIDEN_ROWS = 48;
+constexpr int64_t WIDE_TILE_BYTES = 192 << 10;  // fp32 bytes of a widened tile (in L2)
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -179,12 +189,74 @@ void rows_of_w(const uint8_t* w, int64_t nb, const int8_t* xq, const float* xd, 
 #endif
 }
 
+// columns [j0, j1) of the weight as fp32 rows of k into `out`
+void widen(const uint8_t* w, int64_t nb, bool q4, int64_t j0, int64_t j1, float* out) {
+  const int64_t bsize = q4 ? 20 : 34, k = nb * QK;
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint8_t* row = w + j * nb * bsize;
+    const uint8_t* qs = row + (q4 ? 4 : 2) * nb;
+    float* o = out + (j - j0) * k;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float d = half_to_float(row + 2 * b);
+      const float mn = q4 ? half_to_float(row + 2 * nb + 2 * b) : 0.f;
+      float* ob = o + b * QK;
+#ifdef QB_AVX2
+      const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(mn);
+      __m128i lo, hi;  // the 32 codes as bytes, weights 0..15 and 16..31
+      if (q4) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
+        lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F));
+        hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+      } else {
+        lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 32));
+        hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 32 + 16));
+      }
+      const __m128i parts[2] = {lo, hi};
+      for (int h = 0; h < 2; ++h)
+        for (int e = 0; e < 2; ++e) {
+          const __m128i eight = e ? _mm_srli_si128(parts[h], 8) : parts[h];
+          const __m256i i32 = q4 ? _mm256_cvtepu8_epi32(eight) : _mm256_cvtepi8_epi32(eight);
+          _mm256_storeu_ps(ob + 16 * h + 8 * e, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), dv, mv));
+        }
+#else
+      for (int i = 0; i < QK; ++i) {
+        const int c = q4 ? ((i < 16 ? qs[b * 16 + i] : qs[b * 16 + i - 16] >> 4) & 0x0F)
+                         : static_cast<int8_t>(qs[b * 32 + i]);
+        ob[i] = d * static_cast<float>(c) + mn;
+      }
+#endif
+    }
+  }
+}
+
+// x @ W.T by fp32 GEMMs over widened tiles of W's columns, each written into its columns of out
+void widened_linear(const at::Tensor& x, const uint8_t* w, int64_t nb, bool q4, int64_t n, at::Tensor& out) {
+  const int64_t k = nb * QK;
+  // the GEMM re-packs x on every call, so the more rows, the wider a tile (fewer calls); a
+  // multiple of the threads in tiles, so that they end together
+  const int64_t threads = at::get_num_threads();
+  const int64_t per_tile = WIDE_TILE_BYTES * std::max<int64_t>(1, x.size(0) / 64);
+  const int64_t rounds = std::max<int64_t>(1, (4 * k * n + threads * per_tile - 1) / (threads * per_tile));
+  const int64_t tile = (n + threads * rounds - 1) / (threads * rounds);
+  const int64_t tiles = (n + tile - 1) / tile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buf;
+    buf.resize(tile * k);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t j0 = t * tile, j1 = std::min(n, j0 + tile);
+      widen(w, nb, q4, j0, j1, buf.data());
+      const at::Tensor wt = at::from_blob(buf.data(), {j1 - j0, k}, x.options());
+      at::Tensor dst = out.narrow(1, j0, j1 - j0);
+      at::mm_out(dst, x, wt.t());
+    }
+  });
+}
+
 using Kernel = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, float*, int64_t);
 
 template <bool Q4>
 Kernel kernels(int64_t rows) {
-  static constexpr Kernel table[ROWS] = {rows_of_w<Q4, 1>, rows_of_w<Q4, 2>, rows_of_w<Q4, 3>, rows_of_w<Q4, 4>,
-                                         rows_of_w<Q4, 5>, rows_of_w<Q4, 6>, rows_of_w<Q4, 7>, rows_of_w<Q4, 8>};
+  static constexpr Kernel table[ROWS] = {rows_of_w<Q4, 1>, rows_of_w<Q4, 2>, rows_of_w<Q4, 3>, rows_of_w<Q4, 4>};
   return table[rows - 1];
 }
 
@@ -203,16 +275,24 @@ at::Tensor qblock_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   const float* xf = xc.data_ptr<float>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
+  const int64_t tile = std::max<int64_t>(1, TILE_BYTES / (nb * bsize));
   const auto columns = [&](int64_t begin, int64_t end, const int8_t* xq, const float* xd, const float* xs) {
-    for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
-      const int64_t rows = std::min(ROWS, m - r0);
-      const int64_t off = r0 * nb;
-      const auto kernel = bits == 4 ? kernels<true>(rows) : kernels<false>(rows);
-      for (int64_t j = begin; j < end; ++j)
-        kernel(w + j * nb * bsize, nb, xq + off * QK, xd + off, xs + off, o + r0 * n + j, n);
+    for (int64_t j0 = begin; j0 < end; j0 += tile) {
+      const int64_t j1 = std::min(end, j0 + tile);
+      for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+        const int64_t rows = std::min(ROWS, m - r0);
+        const int64_t off = r0 * nb;
+        const auto kernel = bits == 4 ? kernels<true>(rows) : kernels<false>(rows);
+        for (int64_t j = j0; j < j1; ++j)
+          kernel(w + j * nb * bsize, nb, xq + off * QK, xd + off, xs + off, o + r0 * n + j, n);
+      }
     }
   };
-  if (m <= ROWS) {  // a few rows: each thread rounds x itself, one parallel region instead of two
+  if (m >= WIDEN_ROWS) {
+    widened_linear(xc, w, nb, bits == 4, n, out);
+    return out;
+  }
+  if (m <= SMALL) {  // a few rows: each thread rounds x itself, one parallel region instead of two
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       thread_local std::vector<int8_t> xq;
       thread_local std::vector<float> xd, xs;
