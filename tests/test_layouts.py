@@ -9,11 +9,11 @@ from tidal.config import CacheConfig, EngineConfig
 from tidal.engine import llm_engine, profile_cache
 from tidal.engine.llm_engine import LLM
 from tidal.layers import layout_choice
-from tidal.layers.linear import Fp16Weight, linear
+from tidal.layers.linear import EVERY_STEP, Fp16Weight, linear
 
 needs_fbgemm = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines,
                                   reason="fbgemm's fp16 GEMM is x86-only")
-EDGES = (1, 4, 8, 64)
+EDGES = (1, 4, 8, 64, 256)
 
 
 @needs_fbgemm
@@ -34,6 +34,15 @@ def test_fp16_weight_is_the_weight_rounded_to_fp16_up_to_its_rows():
 @needs_fbgemm
 def test_the_chosen_rows_end_on_a_graph_edge():
     assert layout_choice.fp16_max_rows((256, 128), EDGES, repeats=3) in (0, *EDGES)
+
+
+@pytest.mark.parametrize("ratio, beyond, rows", [(1.05, True, EVERY_STEP), (1.05, False, EDGES[-1]), (1.2, True, 0)])
+def test_a_layout_within_the_margin_at_every_edge_serves_every_step_beyond(monkeypatch, ratio, beyond, rows):
+    """Timings within MARGIN of dense keep the narrower layout; one that won every range serves
+    every step size where its cost follows dense past the last edge (`beyond`: the block kernel)."""
+    monkeypatch.setattr(layout_choice, "_median_seconds", lambda fn, x, other, repeats: (ratio, 1.0))
+    dense = lambda w: (lambda x: torch.nn.functional.linear(x, w))  # noqa: E731
+    assert layout_choice.max_rows(dense, (64, 32), EDGES, repeats=1, beyond=beyond) == rows
 
 
 def test_without_the_kernel_the_weights_stay_dense(monkeypatch):

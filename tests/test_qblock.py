@@ -12,7 +12,7 @@ from tidal.config import CacheConfig
 from tidal.engine import compiled_step, profile_cache
 from tidal.engine.compiled_step import LoadedPackage, StepGraph, compile_package, flat_args, model_tensors
 from tidal.engine.model_runner import ModelRunner
-from tidal.layers.linear import linear
+from tidal.layers.linear import EVERY_STEP, linear
 from tidal import kernels
 from tidal.layers.qblock import QBlockWeight
 from tests.conftest import make_tiny_llama
@@ -88,6 +88,37 @@ def test_linear_takes_the_blocks_up_to_their_rows_then_the_dense_weight():
     torch.testing.assert_close(linear(x, w, qblock=q), x @ w.t(), rtol=1e-5, atol=1e-4)
     big = torch.randn(5, 96, generator=g)
     assert torch.equal(linear(big, w, qblock=q), F.linear(big, w))
+
+
+def test_projections_the_blocks_serve_at_every_step_keep_no_dense_copy(tmp_path):
+    """Blocks serving every step size replace the dense projection by a shape-only stand-in; a
+    prefill-wide step (the kernel's GEMM path) gives the dense weight's output; a step that still
+    reached the dropped weight would fail, not read zeros."""
+    make_tiny_llama(tmp_path)
+    model = loader.build_model(loader.load(str(tmp_path)), torch.device("cpu"), torch.float32)
+    codes, dense = {}, {}
+    for i, layer in enumerate(model.layers):
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            q = QBlockWeight.quantize_q4(getattr(layer, name), 1)
+            dense[i, name] = q.dequantize()  # the weight the file's blocks hold
+            codes[f"layers.{i}.{name}"] = _codes_of(q)
+    model.attach_qblock(codes, {tuple(w.shape): EVERY_STEP for w in dense.values()}, head=False)
+    x = torch.randn(70, max(w.shape[1] for w in dense.values()))
+    for (i, name), w in dense.items():
+        param = getattr(model.layers[i], name)
+        assert param.shape == w.shape and param.untyped_storage().nbytes() == 4
+        torch.testing.assert_close(model.layers[i]._linear(name, x[:, :w.shape[1]]), F.linear(x[:, :w.shape[1]], w),
+                                   rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="dropped"):
+        linear(x, model.layers[0].qkv_proj)
+
+
+def _codes_of(q: QBlockWeight):
+    """(codes, scale, minimum) of a Q4_1 block weight, as the loader hands them to attach_qblock."""
+    n, nb = q.blocks.shape[0], q.blocks.shape[1] // 20
+    half = lambda i: q.blocks[:, 2 * nb * i:2 * nb * (i + 1)].contiguous().view(torch.float16).float()  # noqa: E731
+    nibbles = q.blocks[:, 4 * nb:].reshape(n, nb, 16)
+    return torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(n, -1), half(0), half(1)
 
 
 def test_bad_shapes_get_a_clear_error():

@@ -22,9 +22,9 @@ from tidal.engine.core import EngineCore
 from tidal.engine.model_runner import ModelRunner
 from tidal.engine.scheduler import Scheduler
 from tidal.engine.step_log import StepLog
-from tidal.layers.layout_choice import choose_layouts
+from tidal.layers.layout_choice import EAGER_EDGE, choose_layouts
 from tidal import kernels
-from tidal.layers.linear import INT4_MAX_TOKENS, INT4_ROW_TILE
+from tidal.layers.linear import EVERY_STEP, INT4_MAX_TOKENS, INT4_ROW_TILE
 from tidal.models import loader
 from tidal.models.eagle3 import load_eagle3
 from tidal.sampling_params import InvalidParameter, SamplingParams
@@ -94,7 +94,7 @@ def weight_layouts(shapes: list[tuple[int, int]], block_bits: dict[tuple[int, in
         return {}
     if block_bits and not kernels.load(profile_cache.cache_dir() / "kernels"):
         block_bits = {}
-    edges = tuple(high for _, high in GRAPHS.values())
+    edges = tuple(high for _, high in GRAPHS.values()) + (EAGER_EDGE,)
     key = "layouts-" + profile_cache.digest({**profile_cache.cpu_identity(), "torch": torch.__version__,
                                             "threads": torch.get_num_threads(), "edges": edges,
                                             "shapes": sorted(set(shapes)),
@@ -179,7 +179,7 @@ class LLMEngine(EngineCore):
         # the step's cost jumps where a kernel or the compiled graph changes
         int4_knots = (INT4_ROW_TILE, INT4_ROW_TILE + 1, INT4_MAX_TOKENS, INT4_MAX_TOKENS + 1)
         narrow_rows = {w.max_rows for w in model.fp16_weights()} | set(layouts.get("qblock", {}).values())
-        narrow_knots = tuple(k for r in sorted(narrow_rows - {0}) for k in (r, r + 1))
+        narrow_knots = tuple(k for r in sorted(narrow_rows - {0, EVERY_STEP}) for k in (r, r + 1))
         compiled = self.runner.compiled
         compiled_knots = (compiled.MAX_TOKENS, compiled.MAX_TOKENS + 1) if compiled is not None else ()
         super().__init__(self.scheduler, self.runner, self.drafter,

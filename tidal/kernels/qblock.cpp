@@ -14,6 +14,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -239,7 +241,10 @@ void widened_linear(const at::Tensor& x, const uint8_t* w, int64_t nb, bool q4, 
   const int64_t rounds = std::max<int64_t>(1, (4 * k * n + threads * per_tile - 1) / (threads * per_tile));
   const int64_t tile = (n + threads * rounds - 1) / (threads * rounds);
   const int64_t tiles = (n + tile - 1) / tile;
+  const bool inference = c10::InferenceMode::is_enabled();  // the pool's threads do not inherit it
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::optional<c10::InferenceMode> mode;
+    if (inference) mode.emplace();
     thread_local std::vector<float> buf;
     buf.resize(tile * k);
     for (int64_t t = begin; t < end; ++t) {

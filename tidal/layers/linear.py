@@ -34,6 +34,8 @@ INT4_MAX_TOKENS = 8
 INT4_ROW_TILE = 4
 INT8_MAX_TOKENS = 1
 GROUP_SIZE = 32
+# the most rows of a layout that serves every step size (layout_choice.py)
+EVERY_STEP = 2**31 - 1
 
 
 @dataclass
@@ -144,6 +146,12 @@ def int4_copies(owner, names) -> dict[str, Int4Weight]:
     return {n: Int4Weight.quantize(w, w.dtype) for n in names if Int4Weight.fits(w := getattr(owner, n))}
 
 
+def placeholder(weight: torch.Tensor) -> torch.Tensor:
+    """A stand-in for a dense weight that another layout serves at every step size: its shape and
+    dtype, no data (one element, zero strides), so that the model does not hold the dense copy."""
+    return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, int4: Int4Weight | None = None,
            packed: PackedWeight | None = None, int8: Int8Weight | None = None,
            fp16: Fp16Weight | None = None, qblock: QBlockWeight | None = None) -> torch.Tensor:
@@ -158,4 +166,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, int4: Int4Weight | None = None
         return int8(x)
     if packed is not None and not torch.compiler.is_compiling():  # inductor packs frozen weights itself
         return packed(x)
+    if weight.dim() == 2 and weight.stride(0) == 0:
+        raise RuntimeError(f"a step of {x.shape[0]} rows needs the dense weight {tuple(weight.shape)}, "
+                           "which was dropped for a layout that serves every step size")
     return F.linear(x, weight)

@@ -12,7 +12,8 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.layers.attention import AttentionMetadata, paged_attention
-from tidal.layers.linear import Fp16Weight, Int4Weight, Int8Weight, PackedWeight, linear, packed_copies
+from tidal.layers.linear import (EVERY_STEP, Fp16Weight, Int4Weight, Int8Weight, PackedWeight, linear,
+                                 packed_copies, placeholder)
 from tidal.layers.qblock import QBlockWeight
 from tidal.layers.norm import rms_norm
 from tidal.layers.rotary import apply_rope, rope_cache
@@ -126,11 +127,15 @@ class LlamaModel(nn.Module):
         """Block copies of the layer weights the file stores at 4 bits (`codes`, as attach_int4
         takes them) and, with `head`, of the output head at 8 bits (`head_q8`: the file's own
         Q8_0 scales and codes, else rounded from the dense head), each serving steps of up to its
-        shape's `max_rows` (none where that is 0)."""
+        shape's `max_rows` (none where that is 0). A projection whose blocks serve every step
+        size keeps no dense copy (it would be most of the model's memory, never read)."""
         for name, (q, scale, minimum) in codes.items():
             _, i, param = name.split(".")
+            layer = self.layers[int(i)]
             if rows := max_rows.get(tuple(q.shape), 0):
-                self.layers[int(i)].qblock[param] = QBlockWeight.from_q4_codes(q, scale, minimum, rows)
+                layer.qblock[param] = QBlockWeight.from_q4_codes(q, scale, minimum, rows)
+            if rows == EVERY_STEP:
+                setattr(layer, param, nn.Parameter(placeholder(getattr(layer, param)), requires_grad=False))
         rows = max_rows.get(tuple(self.unembedding.shape), 0)
         if head and rows and QBlockWeight.supported(self.unembedding):
             exact = head_q8 is not None  # the dense head was dequantized from these very blocks
