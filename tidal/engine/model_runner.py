@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import math
+import mmap
 import os
 import subprocess
 import time
@@ -62,15 +63,17 @@ def kv_cache_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) 
 
 
 def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor; on the CPU from calloc (numpy), whose pages the OS zeroes on first touch,
-    so a large KV cache costs nothing at start-up and only the memory the requests use. Aligned
-    to 64 bytes, as torch's own allocator aligns (compiled kernels may rely on it)."""
+    """A zeroed tensor; on the CPU a private anonymous mapping of its own, whose pages the OS
+    zeroes on first touch, so a large KV cache costs nothing at start-up and holds only the
+    memory the requests use (calloc would hand back heap the loader freed, and zero it all by
+    hand). Page-aligned, beyond the 64 bytes torch's allocator aligns to."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     size = math.prod(shape) * dtype.itemsize
-    raw = np.zeros(size + 64, dtype=np.uint8)
-    start = -raw.ctypes.data % 64
-    return torch.from_numpy(raw[start:start + size]).view(dtype).view(shape)
+    if size == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.from_numpy(np.frombuffer(pages, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class ModelRunner:
