@@ -228,4 +228,4 @@ def test_the_loader_reads_q4_1_as_gguf_dequantizes_it():
         t = tensors[theirs]
         assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1
         want = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        assert np.array_equal(loaded.weights[ours].numpy(), want.reshape(-1, want.shape[-1]))
+        assert np.array_equal(loader.dense(loaded, ours).numpy(), want.reshape(-1, want.shape[-1]))

@@ -146,10 +146,10 @@ def int4_copies(owner, names) -> dict[str, Int4Weight]:
     return {n: Int4Weight.quantize(w, w.dtype) for n in names if Int4Weight.fits(w := getattr(owner, n))}
 
 
-def placeholder(weight: torch.Tensor) -> torch.Tensor:
+def placeholder(shape, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
     """A stand-in for a dense weight that another layout serves at every step size: its shape and
     dtype, no data (one element, zero strides), so that the model does not hold the dense copy."""
-    return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    return torch.zeros((), dtype=dtype, device=device).expand(*shape)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, int4: Int4Weight | None = None,

@@ -135,7 +135,9 @@ class LlamaModel(nn.Module):
             if rows := max_rows.get(tuple(q.shape), 0):
                 layer.qblock[param] = QBlockWeight.from_q4_codes(q, scale, minimum, rows)
             if rows == EVERY_STEP:
-                setattr(layer, param, nn.Parameter(placeholder(getattr(layer, param)), requires_grad=False))
+                weight = getattr(layer, param)
+                setattr(layer, param, nn.Parameter(placeholder(weight.shape, weight.dtype, weight.device),
+                                                   requires_grad=False))
         rows = max_rows.get(tuple(self.unembedding.shape), 0)
         if head and rows and QBlockWeight.supported(self.unembedding):
             exact = head_q8 is not None  # the dense head was dequantized from these very blocks

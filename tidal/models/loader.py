@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tidal.config import ModelConfig
+from tidal.layers.linear import EVERY_STEP, placeholder
 from tidal.models.llama import LlamaModel
 from tidal.tokenizer import Tokenizer
 
@@ -25,6 +26,9 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @dataclass
 class LoadedModel:
     config: ModelConfig
+    # our names -> tensors; a projection the file stores at 4 bits is a shape-only stand-in here,
+    # made dense from its codes only where a step needs it (densify): widening them all costs
+    # most of a start, and where the block layout serves every step none is needed
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     name: str
@@ -40,7 +44,30 @@ def build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -
     model = LlamaModel(loaded.config)
     # the loaded tensors become the parameters (no copy of the whole model at every start)
     model.load_state_dict(loaded.weights, strict=True, assign=True)
+    if device.type != "cpu" or dtype != torch.float32:  # block layouts serve CPU fp32 alone
+        densify(model, loaded)
     return model.to(device=device, dtype=dtype)
+
+
+def dense(loaded: LoadedModel, name: str) -> torch.Tensor:
+    """The weight `name` in float32: widened from the file's 4-bit codes where the loader kept
+    those alone, as gguf dequantizes them (d * q + m)."""
+    if name not in loaded.int4_codes or loaded.weights[name].stride(0) != 0:
+        return loaded.weights[name]
+    codes, scale, minimum = loaded.int4_codes[name]
+    n, k = codes.shape
+    return (codes.view(n, k // 32, 32).float() * scale[..., None] + minimum[..., None]).view(n, k)
+
+
+def densify(model: LlamaModel, loaded: LoadedModel) -> None:
+    """Dense weights for the projections the loader kept as codes alone, but for those whose
+    blocks serve every step size."""
+    for name in loaded.int4_codes:
+        _, i, param = name.split(".")
+        layer = model.layers[int(i)]
+        weight, blocks = getattr(layer, param), layer.qblock.get(param)
+        if weight.stride(0) == 0 and (blocks is None or blocks.max_rows != EVERY_STEP):
+            setattr(layer, param, torch.nn.Parameter(dense(loaded, name).to(weight), requires_grad=False))
 
 
 def block_bits(loaded: LoadedModel, model: LlamaModel) -> dict[tuple[int, int], int]:
@@ -61,6 +88,7 @@ def pack_model(model: LlamaModel, loaded: LoadedModel, device: torch.device, dty
     layouts = layouts or {}
     if layouts.get("qblock"):
         model.attach_qblock(loaded.int4_codes, layouts["qblock"], head=loaded.quantized_head, head_q8=loaded.head_q8)
+    densify(model, loaded)
     if layouts.get("fp16"):
         model.attach_fp16(layouts["fp16"])
     if device.type == "cpu" and dtype == torch.bfloat16:
@@ -181,23 +209,22 @@ def _load_gguf(path: Path) -> LoadedModel:
     w = {"embed": t(get("token_embd.weight")), "norm": t(get("output_norm.weight"))}
     if not cfg.tie_word_embeddings:
         w["lm_head"] = t(get("output.weight"))
-    for i in range(cfg.num_layers):
-        b = f"blk.{i}."
-        _fuse_layer(w, i, t(get(b + "attn_q.weight", n_head)),
-                    t(get(b + "attn_k.weight", n_kv)), t(get(b + "attn_v.weight")),
-                    t(get(b + "attn_output.weight")), t(get(b + "ffn_gate.weight")),
-                    t(get(b + "ffn_up.weight")), t(get(b + "ffn_down.weight")),
-                    t(get(b + "attn_norm.weight")), t(get(b + "ffn_norm.weight")))
+    fused = {"qkv_proj": [("attn_q.weight", n_head), ("attn_k.weight", n_kv), ("attn_v.weight", None)],
+             "o_proj": [("attn_output.weight", None)],
+             "gate_up_proj": [("ffn_gate.weight", None), ("ffn_up.weight", None)],
+             "down_proj": [("ffn_down.weight", None)]}
     codes = {}
     for i in range(cfg.num_layers):
         b, p = f"blk.{i}.", f"layers.{i}."
-        q4 = lambda name, heads=None: codes_of(b + name, heads)  # noqa: E731
-        fused = {"qkv_proj": [q4("attn_q.weight", n_head), q4("attn_k.weight", n_kv), q4("attn_v.weight")],
-                 "o_proj": [q4("attn_output.weight")], "gate_up_proj": [q4("ffn_gate.weight"), q4("ffn_up.weight")],
-                 "down_proj": [q4("ffn_down.weight")]}
         for param, parts in fused.items():
-            if all(x is not None for x in parts):
-                codes[p + param] = tuple(torch.from_numpy(np.concatenate(c)) for c in zip(*parts))
+            q4 = [codes_of(b + name, heads) for name, heads in parts]
+            if all(c is not None for c in q4):  # the dense weight waits for densify
+                codes[p + param] = tuple(torch.from_numpy(np.concatenate(c)) for c in zip(*q4))
+                w[p + param] = placeholder(codes[p + param][0].shape)
+            else:
+                w[p + param] = torch.cat([t(get(b + name, heads)) for name, heads in parts])
+        w[p + "input_norm"] = t(get(b + "attn_norm.weight"))
+        w[p + "post_norm"] = t(get(b + "ffn_norm.weight"))
     head = tensors["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"]
     return LoadedModel(cfg, w, _gguf_tokenizer(meta), meta.get("general.name", path.stem), codes,
                        quantized_head=head.tensor_type not in (Q.F32, Q.F16, Q.BF16, Q.F64),
