@@ -214,3 +214,27 @@ def test_sampled_eagle_is_reproducible(eagle_setup):
     a = [o.token_ids for o in llm.generate(prompts(3), sp)]
     assert a == [o.token_ids for o in llm.generate(prompts(3), sp)]
     assert all(len(x) == 20 for x in a)
+
+
+def test_a_head_packed_to_blocks_keeps_no_dense_weights_and_proposes_near_them():
+    """Where the target's weights are blocks (CPU fp32), the head's become 8-bit blocks at every
+    step size and its dense ones go (they only shape proposals; verification keeps the output
+    exact): its logits and fused features within the 8-bit rounding of weights and activations."""
+    from tidal import kernels
+    from tidal.engine import profile_cache
+
+    if not kernels.load(profile_cache.cache_dir() / "kernels"):
+        pytest.skip("the block kernel does not build here (no compiler or ninja)")
+    head = random_head()
+    g = torch.Generator().manual_seed(5)
+    x, aux = torch.randn(70, 64, generator=g), torch.randn(3, 192, generator=g)
+    with torch.no_grad():
+        want = head.logits(x[:3]), head.fuse(aux), head.mid._linear("gate_up_proj", x[:5])
+    head.pack(blocks=True)
+    assert set(head.qblock) == {"fc", "lm_head"} and len(head.mid.qblock) == 4
+    assert all(p.untyped_storage().nbytes() == 4 for p in (head.fc, head.lm_head, head.mid.qkv_proj, head.mid.down_proj))
+    with torch.no_grad():
+        got = head.logits(x[:3]), head.fuse(aux), head.mid._linear("gate_up_proj", x[:5])
+    for a, b in zip(got, want):
+        assert ((a - b).norm() / b.norm()).item() < 0.03
+    assert head.logits(x).shape == (70, 200)  # a catch-up's width: the GEMM path, no dense weight

@@ -135,7 +135,8 @@ def make_drafter(spec: SpecConfig, runner: ModelRunner, target: str | None) -> D
         model = runner.model
         head = load_eagle3(spec.draft_model or DEFAULT_EAGLE3_HEAD, model.cfg, model.embed)
         head.to(device=runner.device, dtype=runner.dtype)
-        head.pack(int4=any(layer.int4 for layer in model.layers))  # 4-bit where the target's kernel is
+        # 4-bit where the target's kernel is, blocks where the target's weights are
+        head.pack(int4=any(layer.int4 for layer in model.layers), blocks=any(layer.qblock for layer in model.layers))
         drafter = Eagle3Drafter(head, runner)
         runner.aux_layers = drafter.aux_layers
         return drafter

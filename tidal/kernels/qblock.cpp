@@ -294,7 +294,7 @@ at::Tensor qblock_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
     }
   };
   if (m >= WIDEN_ROWS) {
-    widened_linear(xc, w, nb, bits == 4, n, out);
+    widened_linear(xc.detach(), w, nb, bits == 4, n, out);  // the op has no gradient, as below
     return out;
   }
   if (m <= SMALL) {  // a few rows: each thread rounds x itself, one parallel region instead of two

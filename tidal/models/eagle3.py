@@ -25,8 +25,9 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.layers.attention import AttentionMetadata, write_kv
-from tidal.layers.linear import Int4Weight, PackedWeight, int4_copies, linear, packed_copies
+from tidal.layers.linear import EVERY_STEP, Int4Weight, PackedWeight, int4_copies, linear, packed_copies, placeholder
 from tidal.layers.norm import rms_norm
+from tidal.layers.qblock import QBlockWeight
 from tidal.layers.rotary import rope_cache
 from tidal.models.llama import PROJECTIONS, DecoderLayer
 
@@ -100,14 +101,17 @@ class Eagle3Head(nn.Module):
         self.embed = embed.detach()  # a plain tensor: shared with the target, not a parameter here
         self.packed: dict[str, PackedWeight] = {}  # oneDNN-packed fc and lm_head (CPU bf16 inference)
         self.int4: dict[str, Int4Weight] = {}  # 4-bit fc and lm_head for small steps (see pack)
+        self.qblock: dict[str, QBlockWeight] = {}  # 8-bit block fc and lm_head (CPU fp32, see pack)
         cos, sin = rope_cache(c.head_dim, c.max_model_len, c.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def pack(self, int4: bool = False) -> None:
+    def pack(self, int4: bool = False, blocks: bool = False) -> None:
         """Inference copies of the weights (they do not follow the parameters): oneDNN-packed
         dense ones on CPU bf16 (see PackedWeight), and with `int4` also 4-bit ones for steps of
-        up to INT4_MAX_TOKENS rows, as the target's. A draft step at one request reads all of the
+        up to INT4_MAX_TOKENS rows, as the target's; with `blocks` (CPU fp32, where the target's
+        weights are blocks under tidal's kernel) every weight rounded to 8-bit blocks at every
+        step size, the dense ones dropped. A draft step at one request reads all of the
         head's weights for one row, so it costs what reading them does; rounding only changes
         what the head proposes (verification keeps the output exact)."""
         self.mid.pack_dense()
@@ -116,10 +120,13 @@ class Eagle3Head(nn.Module):
         int4 = int4 and self.fc.device.type == "cpu"  # torch's int4 kernel used here is CPU-only
         self.int4 = int4_copies(self, names) if int4 else {}
         self.mid.int4 = int4_copies(self.mid, PROJECTIONS) if int4 else {}
+        if blocks:
+            self.qblock = _block_copies(self, names)
+            self.mid.qblock = _block_copies(self.mid, PROJECTIONS)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """[T, 3 x target hidden] target features -> [T, hidden] head input."""
-        return linear(aux, self.fc, self.int4.get("fc"), self.packed.get("fc"))
+        return linear(aux, self.fc, self.int4.get("fc"), self.packed.get("fc"), qblock=self.qblock.get("fc"))
 
     @torch.inference_mode()
     def forward(self, input_ids, features, positions, kv_cache: tuple, meta: AttentionMetadata):
@@ -145,10 +152,24 @@ class Eagle3Head(nn.Module):
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (float32) of the head's pre-norm output."""
         x = rms_norm(out, self.norm, self.cfg.layer.rms_norm_eps)
-        return linear(x, self.lm_head, self.int4.get("lm_head"), self.packed.get("lm_head")).float()
+        return linear(x, self.lm_head, self.int4.get("lm_head"), self.packed.get("lm_head"),
+                      qblock=self.qblock.get("lm_head")).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+
+def _block_copies(owner: nn.Module, names) -> dict[str, QBlockWeight]:
+    """8-bit block copies of `owner`'s weights `names` (those the kernel takes), serving every
+    step size; each dense weight copied is replaced by a shape-only stand-in."""
+    copies = {}
+    for name in names:
+        weight = getattr(owner, name)
+        if QBlockWeight.supported(weight):
+            copies[name] = QBlockWeight.quantize_q8(weight, EVERY_STEP)
+            setattr(owner, name, nn.Parameter(placeholder(weight.shape, weight.dtype, weight.device),
+                                              requires_grad=False))
+    return copies
 
 
 # ---------------------------------------------------------------- checkpoints
