@@ -200,7 +200,7 @@ def test_the_loader_reads_q8_0_as_gguf_dequantizes_it():
     head = GGUFFile(loader.default_model_path()).tensors["token_embd.weight"]
     assert head.tensor_type == gguf.GGMLQuantizationType.Q8_0
     want = np.asarray(gguf.quants.dequantize(head.data, head.tensor_type), dtype=np.float32)
-    assert np.array_equal(loader._q8_0_weights(head), want.reshape(-1, want.shape[-1]))
+    assert np.array_equal(loader._widen_q8_0(*loader._q8_0(head)), want.reshape(-1, want.shape[-1]))
 
 
 def test_the_head_blocks_taken_from_the_file_are_those_rounding_its_dense_head_gives():

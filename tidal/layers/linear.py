@@ -152,6 +152,17 @@ def placeholder(shape, dtype: torch.dtype = torch.float32, device="cpu") -> torc
     return torch.zeros((), dtype=dtype, device=device).expand(*shape)
 
 
+def is_placeholder(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.stride(0) == 0
+
+
+def drop_dense(owner: torch.nn.Module, name: str) -> None:
+    """Replace `owner`'s dense weight `name` by a placeholder of its shape, dtype and device."""
+    weight = getattr(owner, name)
+    stand_in = placeholder(weight.shape, weight.dtype, weight.device)
+    setattr(owner, name, torch.nn.Parameter(stand_in, requires_grad=False))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, int4: Int4Weight | None = None,
            packed: PackedWeight | None = None, int8: Int8Weight | None = None,
            fp16: Fp16Weight | None = None, qblock: QBlockWeight | None = None) -> torch.Tensor:
@@ -166,7 +177,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, int4: Int4Weight | None = None
         return int8(x)
     if packed is not None and not torch.compiler.is_compiling():  # inductor packs frozen weights itself
         return packed(x)
-    if weight.dim() == 2 and weight.stride(0) == 0:
+    if is_placeholder(weight):
         raise RuntimeError(f"a step of {x.shape[0]} rows needs the dense weight {tuple(weight.shape)}, "
                            "which was dropped for a layout that serves every step size")
     return F.linear(x, weight)

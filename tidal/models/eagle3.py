@@ -25,7 +25,7 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.layers.attention import AttentionMetadata, write_kv
-from tidal.layers.linear import EVERY_STEP, Int4Weight, PackedWeight, int4_copies, linear, packed_copies, placeholder
+from tidal.layers.linear import EVERY_STEP, Int4Weight, PackedWeight, drop_dense, int4_copies, linear, packed_copies
 from tidal.layers.norm import rms_norm
 from tidal.layers.qblock import QBlockWeight
 from tidal.layers.rotary import rope_cache
@@ -164,11 +164,9 @@ def _block_copies(owner: nn.Module, names) -> dict[str, QBlockWeight]:
     step size; each dense weight copied is replaced by a shape-only stand-in."""
     copies = {}
     for name in names:
-        weight = getattr(owner, name)
-        if QBlockWeight.supported(weight):
+        if QBlockWeight.supported(weight := getattr(owner, name)):
             copies[name] = QBlockWeight.quantize_q8(weight, EVERY_STEP)
-            setattr(owner, name, nn.Parameter(placeholder(weight.shape, weight.dtype, weight.device),
-                                              requires_grad=False))
+            drop_dense(owner, name)
     return copies
 
 

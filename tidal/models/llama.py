@@ -12,8 +12,8 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.layers.attention import AttentionMetadata, paged_attention
-from tidal.layers.linear import (EVERY_STEP, Fp16Weight, Int4Weight, Int8Weight, PackedWeight, linear,
-                                 packed_copies, placeholder)
+from tidal.layers.linear import (EVERY_STEP, Fp16Weight, Int4Weight, Int8Weight, PackedWeight, drop_dense, linear,
+                                 packed_copies)
 from tidal.layers.qblock import QBlockWeight
 from tidal.layers.norm import rms_norm
 from tidal.layers.rotary import apply_rope, rope_cache
@@ -135,9 +135,7 @@ class LlamaModel(nn.Module):
             if rows := max_rows.get(tuple(q.shape), 0):
                 layer.qblock[param] = QBlockWeight.from_q4_codes(q, scale, minimum, rows)
             if rows == EVERY_STEP:
-                weight = getattr(layer, param)
-                setattr(layer, param, nn.Parameter(placeholder(weight.shape, weight.dtype, weight.device),
-                                                   requires_grad=False))
+                drop_dense(layer, param)
         rows = max_rows.get(tuple(self.unembedding.shape), 0)
         if head and rows and QBlockWeight.supported(self.unembedding):
             exact = head_q8 is not None  # the dense head was dequantized from these very blocks

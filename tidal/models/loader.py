@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tidal.config import ModelConfig
-from tidal.layers.linear import EVERY_STEP, placeholder
+from tidal.layers.linear import EVERY_STEP, is_placeholder, placeholder
 from tidal.models.llama import LlamaModel
 from tidal.tokenizer import Tokenizer
 
@@ -52,11 +52,9 @@ def build_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -
 def dense(loaded: LoadedModel, name: str) -> torch.Tensor:
     """The weight `name` in float32: widened from the file's 4-bit codes where the loader kept
     those alone, as gguf dequantizes them (d * q + m)."""
-    if name not in loaded.int4_codes or loaded.weights[name].stride(0) != 0:
+    if name not in loaded.int4_codes or not is_placeholder(loaded.weights[name]):
         return loaded.weights[name]
-    codes, scale, minimum = loaded.int4_codes[name]
-    n, k = codes.shape
-    return (codes.view(n, k // 32, 32).float() * scale[..., None] + minimum[..., None]).view(n, k)
+    return _widen_q4(*loaded.int4_codes[name])
 
 
 def densify(model: LlamaModel, loaded: LoadedModel) -> None:
@@ -66,7 +64,7 @@ def densify(model: LlamaModel, loaded: LoadedModel) -> None:
         _, i, param = name.split(".")
         layer = model.layers[int(i)]
         weight, blocks = getattr(layer, param), layer.qblock.get(param)
-        if weight.stride(0) == 0 and (blocks is None or blocks.max_rows != EVERY_STEP):
+        if is_placeholder(weight) and (blocks is None or blocks.max_rows != EVERY_STEP):
             setattr(layer, param, torch.nn.Parameter(dense(loaded, name).to(weight), requires_grad=False))
 
 
@@ -164,6 +162,12 @@ def _load_gguf(path: Path) -> LoadedModel:
     tensors = file.tensors
 
     read4 = {}  # name -> its 4-bit codes, read once for both the dense weight and the int4 copy
+    read8 = {}  # name -> a Q8_0 tensor's scales and codes, read once for the dense weight and the head's blocks
+
+    def q8_of(name: str):
+        if name not in read8:
+            read8[name] = _q8_0(tensors[name])
+        return read8[name]
 
     def codes_of(name: str, heads: int | None = None):
         if name not in read4:
@@ -174,13 +178,10 @@ def _load_gguf(path: Path) -> LoadedModel:
         """The tensor in float32 (Q/K rows un-permuted with `heads`)."""
         t = tensors[name]
         c = codes_of(name, heads)
-        if c is not None:  # 4-bit: from the codes, as gguf dequantizes them (d * q + m), whole
-            codes, scale, minimum = (torch.from_numpy(a) for a in c)
-            n, k = codes.shape
-            blocks = codes.view(n, k // 32, 32).float() * scale[..., None] + minimum[..., None]
-            return blocks.view(n, k).numpy()
+        if c is not None:  # 4-bit: from the codes, whole
+            return _widen_q4(*(torch.from_numpy(a) for a in c)).numpy()
         if t.tensor_type == Q.Q8_0:
-            a = _q8_0_weights(t)
+            a = _widen_q8_0(*q8_of(name))
         else:
             a = np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         a = a if a.flags.writeable else a.copy()  # F32 tensors come back as views of the mmap
@@ -225,10 +226,11 @@ def _load_gguf(path: Path) -> LoadedModel:
                 w[p + param] = torch.cat([t(get(b + name, heads)) for name, heads in parts])
         w[p + "input_norm"] = t(get(b + "attn_norm.weight"))
         w[p + "post_norm"] = t(get(b + "ffn_norm.weight"))
-    head = tensors["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"]
+    head_name = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
+    head = tensors[head_name]
     return LoadedModel(cfg, w, _gguf_tokenizer(meta), meta.get("general.name", path.stem), codes,
                        quantized_head=head.tensor_type not in (Q.F32, Q.F16, Q.BF16, Q.F64),
-                       head_q8=_q8_0(head) if head.tensor_type == Q.Q8_0 else None)
+                       head_q8=q8_of(head_name) if head.tensor_type == Q.Q8_0 else None)
 
 
 def _q4_codes(t, n_head: int | None = None):
@@ -263,13 +265,19 @@ def _q8_0(t) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, codes
 
 
-def _q8_0_weights(t) -> np.ndarray:
-    """A Q8_0 tensor in float32, as gguf dequantizes it, in one vectorised pass on torch's
-    threads instead of gguf's row groups, which a start would otherwise wait on for a large
-    embedding."""
-    scale, codes = _q8_0(t)
+def _widen_q8_0(scale: torch.Tensor, codes: torch.Tensor) -> np.ndarray:
+    """A Q8_0 tensor (as _q8_0 reads it) in float32, as gguf dequantizes it, in one vectorised
+    pass on torch's threads instead of gguf's row groups, which a start would otherwise wait on
+    for a large embedding."""
     n, k = codes.shape
     return (codes.view(n, k // 32, 32).float() * scale.float()[..., None]).view(n, k).numpy()
+
+
+def _widen_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] with scale and minimum [N, K / 32] in float32, as gguf dequantizes
+    them (d * q + m)."""
+    n, k = codes.shape
+    return (codes.view(n, k // 32, 32).float() * scale[..., None] + minimum[..., None]).view(n, k)
 
 
 def _gguf_tokenizer(meta: dict) -> Tokenizer:
